@@ -1,0 +1,65 @@
+"""gwgrad: grouped weight-gradient GEMM for Mixture-of-Experts training.
+
+    for expert e:  W[e] = A[:, offsets[e-1]:offsets[e]] @ B[offsets[e-1]:offsets[e], :]
+
+CuTe DSL kernels for NVIDIA SM90 / SM100 GPUs, a NumPy reference for CPU arrays, one API for
+any DLPack array or raw pointer. Importing gwgrad needs neither a GPU nor torch, CuPy or JAX.
+"""
+
+from __future__ import annotations
+
+import os as _os
+
+__version__ = "0.1.0"
+
+
+def _find_checkout_adapters() -> None:
+    # Installed, ``gwgrad.adapters`` is mapped onto the repository's top-level ``adapters/``.
+    # Run from a plain checkout on PYTHONPATH, that mapping does not exist; appending the
+    # checkout root to this package's path makes ``gwgrad.adapters`` resolve to it. Appended,
+    # never prepended: gwgrad's own modules always win.
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    root = _os.path.dirname(here)
+    if _os.path.isdir(_os.path.join(here, "adapters")):
+        return
+    marker = _os.path.join(root, "adapters", "_gwgrad_adapters.py")
+    if _os.path.isfile(marker) and root not in __path__:
+        __path__.append(root)
+
+
+_find_checkout_adapters()
+
+from .api import (  # noqa: E402
+    GroupedGemmWgrad,
+    GroupedGemmWgradSm100,
+    TupleDict,
+    cache_info,
+    clear_cache,
+    grouped_gemm_wgrad,
+    grouped_gemm_wgrad_wrapper_sm100,
+)
+from .backends.base import Backend, LaunchArgs  # noqa: E402
+from .dtypes import DType  # noqa: E402
+from .offsets import token_count_multiple  # noqa: E402
+from .spec import StaticSpec  # noqa: E402
+from .tensors import TensorDesc, as_tensor_desc, from_dlpack, from_pointer  # noqa: E402
+
+__all__ = [
+    "GroupedGemmWgrad",
+    "grouped_gemm_wgrad",
+    "GroupedGemmWgradSm100",
+    "grouped_gemm_wgrad_wrapper_sm100",
+    "TupleDict",
+    "TensorDesc",
+    "as_tensor_desc",
+    "from_dlpack",
+    "from_pointer",
+    "DType",
+    "StaticSpec",
+    "Backend",
+    "LaunchArgs",
+    "token_count_multiple",
+    "cache_info",
+    "clear_cache",
+    "__version__",
+]

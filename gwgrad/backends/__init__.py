@@ -1,0 +1,145 @@
+"""Backend selection: which implementation serves a spec, and for which architecture.
+
+CPU arrays run on the NumPy reference backend (arch "cpu"). CUDA arrays target the device's
+architecture (``CUTE_DSL_ARCH`` overrides the query, so kernels compile on machines without
+that GPU) and a CuTe DSL kernel module, imported only when first needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import os
+import time
+from typing import Dict, Tuple
+
+from .. import cuda
+from ..dtypes import DType
+from ..spec import StaticSpec
+from .base import Backend, LaunchArgs
+
+__all__ = ["Backend", "LaunchArgs", "ARCH_BY_CAPABILITY", "detect_arch", "get_backend",
+           "finalize_spec", "compile_check"]
+
+ARCH_BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
+KNOWN_ARCHS = tuple(ARCH_BY_CAPABILITY.values())
+
+# (kind, arch) -> (module, class). The kernel modules are imported lazily: importing them pulls
+# in the CuTe DSL, which a CPU-only user never needs.
+_KERNELS: Dict[Tuple[str, str], Tuple[str, str]] = {
+    ("bf16", "sm_90a"): ("gwgrad.backends.bf16_sm90", "Bf16Sm90Backend"),
+    ("bf16", "sm_100a"): ("gwgrad.backends.bf16_sm100", "Bf16Sm100Backend"),
+    ("bf16", "sm_103a"): ("gwgrad.backends.bf16_sm100", "Bf16Sm100Backend"),
+    ("block_scaled", "sm_100a"): ("gwgrad.backends.blockscaled_sm100", "BlockScaledSm100Backend"),
+    ("block_scaled", "sm_103a"): ("gwgrad.backends.blockscaled_sm100", "BlockScaledSm100Backend"),
+}
+_instances: Dict[Tuple[str, str], Backend] = {}
+
+
+def _arch_override() -> str:
+    value = os.environ.get("CUTE_DSL_ARCH", "").strip().lower()
+    if value and value not in KNOWN_ARCHS:
+        raise RuntimeError(f"CUTE_DSL_ARCH={value!r} is not an architecture gwgrad has kernels "
+                           f"for ({', '.join(KNOWN_ARCHS)})")
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_of_device(device_id: int) -> str:
+    cuda.require(device_id)
+    major, minor = cuda.compute_capability(device_id)
+    if major < 9:
+        raise RuntimeError(
+            f"gwgrad needs a GPU of compute capability 9.0 (SM90, Hopper) or newer; CUDA device "
+            f"{device_id} has compute capability {major}.{minor}")
+    arch = ARCH_BY_CAPABILITY.get((major, minor))
+    if arch is None:
+        supported = ", ".join(f"{a}.{b}" for a, b in ARCH_BY_CAPABILITY)
+        raise RuntimeError(
+            f"gwgrad has no kernels for compute capability {major}.{minor} (CUDA device "
+            f"{device_id}); supported: {supported}. Set CUTE_DSL_ARCH to force one")
+    return arch
+
+
+def detect_arch(device_id: int) -> str:
+    """The architecture to compile for on CUDA device ``device_id``."""
+    return _arch_override() or _arch_of_device(device_id)
+
+
+def _kind(spec: StaticSpec) -> str:
+    return "block_scaled" if spec.is_block_scaled else "bf16"
+
+
+def get_backend(spec: StaticSpec) -> Backend:
+    """The backend for ``spec`` (one shared instance per implementation)."""
+    if spec.is_cpu:
+        key = ("gwgrad.backends.reference", "ReferenceBackend")
+    else:
+        key = _KERNELS.get((_kind(spec), spec.arch))
+        if key is None:
+            if spec.is_block_scaled and spec.arch == "sm_90a":
+                raise RuntimeError(
+                    f"block-scaled a_tensor ({spec.a_dtype}) needs an SM100-family GPU "
+                    "(sm_100a / sm_103a); this device is sm_90a")
+            raise RuntimeError(f"no {_kind(spec)} kernel for arch {spec.arch!r}")
+    backend = _instances.get(key)
+    if backend is None:
+        module_name, class_name = key
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise RuntimeError(f"cannot import {module_name}: {exc}") from exc
+            raise RuntimeError(
+                f"no {_kind(spec).replace('_', '-')} kernel available yet for {spec.arch} "
+                f"(module {module_name} is missing)") from None
+        backend = _instances[key] = getattr(module, class_name)()
+    return backend
+
+
+def finalize_spec(spec: StaticSpec) -> Tuple[StaticSpec, Backend]:
+    """Fill the tiling the caller left None with the backend's default and check support."""
+    backend = get_backend(spec)
+    if spec.mma_tiler_mn is None or spec.cluster_shape_mn is None:
+        tiler, cluster = backend.default_tiling(spec)
+        spec = dataclasses.replace(
+            spec,
+            mma_tiler_mn=tuple(spec.mma_tiler_mn or tiler),
+            cluster_shape_mn=tuple(spec.cluster_shape_mn or cluster),
+        )
+    backend.check_support(spec)
+    return spec, backend
+
+
+def compile_check(arch: str) -> str:
+    """Compile a representative BF16 spec for ``arch`` without running it; returns a report.
+
+    Needs no GPU: ``CUTE_DSL_ARCH`` is set to ``arch`` while compiling. When the kernel module
+    for ``arch`` is not there yet, says so instead of failing.
+    """
+    spec = StaticSpec(
+        hidden=256, intermediate=512, num_experts=4, a_dtype=DType.BFLOAT16,
+        b_dtype=DType.BFLOAT16, wgrad_dtype=DType.BFLOAT16, acc_dtype=DType.FLOAT32,
+        a_major="m", b_major="n", input_order="tensor2d", output_mode="dense", accumulate=False,
+        mma_tiler_mn=None, cluster_shape_mn=None, sf_vec_size=16, arch=arch)
+    previous = os.environ.get("CUTE_DSL_ARCH")
+    os.environ["CUTE_DSL_ARCH"] = arch
+    try:
+        try:
+            spec, backend = finalize_spec(spec)
+        except RuntimeError as exc:
+            if "not available yet" in str(exc) or "missing" in str(exc):
+                return f"compile check {arch}: skipped, {exc}"
+            raise
+        start = time.perf_counter()
+        backend.compile(spec)
+        seconds = time.perf_counter() - start
+        return (f"compile check {arch}: {type(backend).__name__} compiled {spec.a_major}/"
+                f"{spec.b_major}-major BF16 hidden={spec.hidden} intermediate={spec.intermediate} "
+                f"tile={spec.mma_tiler_mn} cluster={spec.cluster_shape_mn} in {seconds:.1f} s")
+    finally:
+        if previous is None:
+            os.environ.pop("CUTE_DSL_ARCH", None)
+        else:
+            os.environ["CUTE_DSL_ARCH"] = previous

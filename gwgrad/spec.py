@@ -1,0 +1,48 @@
+"""The static spec: everything a compiled kernel bakes in. It is the cache key of operators.
+
+``tokens_sum``, the offsets values and every pointer are *not* in it: one compiled kernel
+serves every token count and distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from .dtypes import DType
+
+INPUT_ORDERS = ("tensor2d", "tensor_ragged")
+OUTPUT_MODES = ("dense", "discrete")
+A_MAJORS = ("k", "m")
+B_MAJORS = ("k", "n")
+
+
+@dataclass(frozen=True)
+class StaticSpec:
+    hidden: int
+    intermediate: int
+    num_experts: int
+    a_dtype: DType
+    b_dtype: DType
+    wgrad_dtype: DType
+    acc_dtype: DType
+    a_major: str  # "k": (tokens_sum, 1) strides; "m": (1, hidden)
+    b_major: str  # "k": (1, tokens_sum) strides; "n": (intermediate, 1)
+    input_order: str  # "tensor2d" | "tensor_ragged"
+    output_mode: str  # "dense" | "discrete"
+    accumulate: bool
+    mma_tiler_mn: Tuple[int, int]
+    cluster_shape_mn: Tuple[int, int]
+    sf_vec_size: int
+    arch: str  # "sm_90a", "sm_100a", ... or "cpu" for the reference backend
+    # Block-scaled only: scale-factor dtype and whether global scales are passed.
+    sf_dtype: Optional[DType] = None
+    has_global_scale: bool = False
+
+    @property
+    def is_block_scaled(self) -> bool:
+        return self.a_dtype != DType.BFLOAT16
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.arch == "cpu"

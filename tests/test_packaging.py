@@ -1,0 +1,194 @@
+"""Packaging: gwgrad imports without torch / JAX / CuPy / a GPU, and ``gwgrad.adapters`` is
+found from a wheel, an editable install and a plain checkout on PYTHONPATH."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gwgrad
+import gwgrad.__main__ as gwgrad_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _numpy_only_dir(tmp_path: Path) -> Path:
+    """A folder holding just NumPy (for interpreters started without site-packages)."""
+    shim = tmp_path / "numpy_only"
+    shim.mkdir()
+    numpy_dir = Path(np.__file__).parent
+    for item in numpy_dir.parent.iterdir():
+        if item.name == "numpy" or item.name.startswith("numpy.libs") or item.name == "numpy_libs":
+            os.symlink(item, shim / item.name)
+    return shim
+
+
+def _run_isolated(code: str, paths, cwd: Path, site_dirs=()) -> str:
+    """Run ``code`` in a Python with no site-packages: only ``paths`` (and .pth files of
+    ``site_dirs``) are importable."""
+    prelude = "import sys, site\n"
+    prelude += "".join(f"sys.path.insert(0, {str(p)!r})\n" for p in paths)
+    prelude += "".join(f"site.addsitedir({str(d)!r})\n" for d in site_dirs)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    proc = subprocess.run([sys.executable, "-S", "-c", prelude + textwrap.dedent(code)],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def _copy_project(tmp_path: Path) -> Path:
+    dest = tmp_path / "project"
+    dest.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
+    for name in ("gwgrad", "adapters"):
+        shutil.copytree(ROOT / name, dest / name, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, dest / name)
+    return dest
+
+
+def _build(project: Path, hook: str, out: Path) -> Path:
+    out.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-c",
+         f"from setuptools import build_meta as b; print(b.{hook}({str(out)!r}))"],
+        cwd=project, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out / proc.stdout.strip().splitlines()[-1]
+
+
+CHECK_ADAPTERS = """
+import gwgrad, gwgrad.adapters
+print(gwgrad.adapters.__file__)
+print("torch" in sys.modules, "jax" in sys.modules, "cupy" in sys.modules)
+"""
+
+
+def test_import_without_optional_frameworks_or_gpu():
+    code = textwrap.dedent("""
+        import sys
+        for name in ("torch", "jax", "jaxlib", "cupy", "cutlass"):
+            sys.modules[name] = None  # any import of them now fails
+        import numpy as np, gwgrad
+        from gwgrad.demo import cpu_demo
+        assert cpu_demo(hidden=32, intermediate=48, num_experts=3, tokens_per_expert=20)
+        print("ok", gwgrad.__version__)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ok" in proc.stdout
+
+
+def test_plain_checkout_on_pythonpath(tmp_path):
+    project = _copy_project(tmp_path)
+    (project / "pyproject.toml").unlink()  # nothing installed, nothing to install from
+    out = _run_isolated(CHECK_ADAPTERS, [_numpy_only_dir(tmp_path), project], cwd=tmp_path)
+    lines = out.splitlines()
+    assert lines[0] == str(project / "adapters" / "__init__.py")
+    assert lines[1] == "False False False"
+
+
+def test_wheel_maps_adapters_into_the_package(tmp_path):
+    project = _copy_project(tmp_path)
+    wheel = _build(project, "build_wheel", tmp_path / "dist")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for required in ("gwgrad/__init__.py", "gwgrad/adapters/__init__.py",
+                     "gwgrad/backends/reference.py", "gwgrad/spec.py"):
+        assert required in names, required
+    assert not any(n.startswith("adapters/") for n in names)
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    out = _run_isolated(CHECK_ADAPTERS, [_numpy_only_dir(tmp_path), site], cwd=tmp_path)
+    assert out.splitlines()[0] == str(site / "gwgrad" / "adapters" / "__init__.py")
+
+
+def test_editable_install_maps_adapters(tmp_path):
+    project = _copy_project(tmp_path)
+    wheel = _build(project, "build_editable", tmp_path / "dist")
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    code = CHECK_ADAPTERS + """
+import importlib.util
+finders = [f for f in sys.meta_path if "editable" in getattr(f, "__module__", "").lower()
+           or "editable" in getattr(f, "__name__", "").lower()]
+mapped = [f.find_spec("gwgrad.adapters") for f in finders]
+mapped = [m.origin for m in mapped if m is not None]
+print(mapped[0] if mapped else "no editable finder: " + repr(sys.meta_path))
+"""
+    out = _run_isolated(code, [_numpy_only_dir(tmp_path)], cwd=tmp_path, site_dirs=[site])
+    lines = out.splitlines()
+    want = str(project / "adapters" / "__init__.py")
+    assert lines[0] == want
+    # Not only through the checkout fallback in gwgrad/__init__.py: the editable finder itself
+    # maps gwgrad.adapters onto adapters/.
+    assert lines[2] == want
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    listed = set(config["tool"]["setuptools"]["packages"])
+    found = {".".join(p.relative_to(ROOT).parts) for p in (ROOT / "gwgrad").rglob("*")
+             if p.is_dir() and p.name != "__pycache__" and any(p.glob("*.py"))}
+    found.add("gwgrad")
+    assert found - listed == set(), "add these to [tool.setuptools] packages"
+    assert config["tool"]["setuptools"]["package-dir"]["gwgrad.adapters"] == "adapters"
+    assert config["build-system"]["requires"] == ["setuptools>=64"]
+
+
+def test_cli_demo_and_info():
+    for command in ("demo", "info"):
+        proc = subprocess.run([sys.executable, "-m", "gwgrad", command], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "gwgrad " + gwgrad.__version__ in proc.stdout
+
+
+def test_default_command_without_gpu_runs_the_cpu_demo(monkeypatch, capsys):
+    monkeypatch.setattr(gwgrad.cuda, "available", lambda: False)
+    checks = []
+    monkeypatch.setattr(gwgrad_main, "_compile_checks", lambda: checks.append(True))
+    assert gwgrad_main.main([]) == 0
+    out = capsys.readouterr().out
+    assert "no CUDA GPU" in out and "cpu demo dense" in out and "OK" in out
+    assert checks == [True]
+    assert gwgrad_main.main(["nonsense"]) == 2
+
+
+def test_compile_check_reports_missing_kernels(monkeypatch):
+    from gwgrad import backends
+
+    monkeypatch.setitem(backends._KERNELS, ("bf16", "sm_100a"), ("gwgrad.backends.not_yet", "X"))
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    message = backends.compile_check("sm_100a")
+    assert "skipped" in message and "not_yet" in message
+    assert os.environ["CUTE_DSL_ARCH"] == "sm_90a"  # restored
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
+def test_examples_run_on_cpu(example):
+    if example.startswith("torch"):
+        pytest.importorskip("torch")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / example)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    command = 'pip install -e ".[test]" && python -m pytest -q'
+    assert command in "\n".join(readme.splitlines()[:10])  # among the first lines
+    assert command in (ROOT / ".ci" / "run").read_text()

@@ -1,0 +1,157 @@
+"""Plumbing shared by the CuTe DSL backends: spec -> kernel config, compile, launch.
+
+Kernels are compiled for the spec's architecture with the DSL's `--gpu-arch` option, so
+compilation needs no GPU. Compiled functions take raw device addresses, `tokens_sum` and the
+grid size as run-time arguments: one compile serves every token count and every storage.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+from ..dtypes import DType
+from ..spec import StaticSpec
+from .base import LaunchArgs
+
+_compile_lock = threading.Lock()
+_GMEM = None  # cute.AddressSpace.gmem, bound on first use (importing the DSL is slow)
+#: How many kernels this process compiled (tests assert that cached operators reuse theirs).
+compile_count = 0
+
+
+def problem_config(spec: StaticSpec, schedule: str):
+    from ..kernels.common import ProblemConfig
+
+    return ProblemConfig(
+        hidden=spec.hidden,
+        intermediate=spec.intermediate,
+        num_experts=spec.num_experts,
+        a_major=spec.a_major,
+        b_major=spec.b_major,
+        input_order=spec.input_order,
+        output_mode=spec.output_mode,
+        accumulate=spec.accumulate,
+        ab_dtype=spec.a_dtype.value,
+        c_dtype=spec.wgrad_dtype.value,
+        tile_m=spec.mma_tiler_mn[0],
+        tile_n=spec.mma_tiler_mn[1],
+        cluster_m=spec.cluster_shape_mn[0],
+        cluster_n=spec.cluster_shape_mn[1],
+        schedule=schedule,
+    )
+
+
+def _cutlass_dtype(dtype: DType):
+    import cutlass
+
+    return {
+        DType.BFLOAT16: cutlass.BFloat16,
+        DType.FLOAT16: cutlass.Float16,
+        DType.FLOAT32: cutlass.Float32,
+    }[dtype]
+
+
+def check_bf16_spec(spec: StaticSpec) -> None:
+    """What every BF16 CuTe DSL kernel needs from the static spec."""
+    if spec.a_dtype != DType.BFLOAT16 or spec.b_dtype != DType.BFLOAT16:
+        raise ValueError(
+            f"a_tensor/b_tensor: the BF16 kernels take bfloat16 operands, got {spec.a_dtype} and {spec.b_dtype}"
+        )
+    if spec.acc_dtype != DType.FLOAT32:
+        raise ValueError(f"acc_dtype: the BF16 kernels accumulate in float32, got {spec.acc_dtype}")
+    if spec.wgrad_dtype not in (DType.BFLOAT16, DType.FLOAT16, DType.FLOAT32):
+        raise ValueError(
+            f"wgrad_dtype: expected bfloat16, float16 or float32, got {spec.wgrad_dtype}"
+        )
+    for name, value in (("hidden", spec.hidden), ("intermediate", spec.intermediate)):
+        if value % 8 != 0:
+            raise ValueError(
+                f"a_tensor/b_tensor: {name} must be a multiple of 8 (16-byte TMA rows), got {value}"
+            )
+    if spec.num_experts < 1:
+        raise ValueError(f"offsets_tensor: expected at least one expert, got {spec.num_experts}")
+
+
+class CompiledGemm:
+    """A compiled prep + GEMM launcher for one static spec."""
+
+    def __init__(self, fn: Any, cfg: Any, spec: StaticSpec):
+        import cutlass
+
+        self.fn = fn
+        self.cfg = cfg
+        self.spec = spec
+        self.ab_dtype = cutlass.BFloat16
+        self.out_dtype = _cutlass_dtype(spec.wgrad_dtype)
+        self.i32, self.i64, self.u8 = cutlass.Int32, cutlass.Int64, cutlass.Uint8
+
+    def launch(self, args: LaunchArgs) -> None:
+        from .. import cuda as gcuda
+        import cuda.bindings.driver as cuda_driver
+
+        from cutlass.cute.runtime import make_ptr
+
+        global _GMEM
+        if _GMEM is None:
+            import cutlass.cute as cute
+
+            _GMEM = cute.AddressSpace.gmem
+        device = args.a.device_id
+        grid = min(self.cfg.num_units, _sm_count(device))
+        if self.spec.output_mode == "dense":
+            out = make_ptr(self.out_dtype, args.wgrad.ptr, _GMEM, assumed_align=16)
+        else:
+            out = make_ptr(self.i64, args.wgrad_ptrs.ptr, _GMEM, assumed_align=16)
+        with gcuda.on_device(device):
+            self.fn(
+                make_ptr(self.ab_dtype, args.a.ptr, _GMEM, assumed_align=16),
+                make_ptr(self.ab_dtype, args.b.ptr, _GMEM, assumed_align=16),
+                make_ptr(self.i32, args.offsets.ptr, _GMEM, assumed_align=4),
+                out,
+                make_ptr(self.u8, args.workspace, _GMEM, assumed_align=128),
+                args.tokens_sum,
+                grid,
+                cuda_driver.CUstream(args.stream),
+            )
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    from .. import cuda as gcuda
+
+    return gcuda.sm_count(device_id)
+
+
+def compile_gemm(kernel: Any, spec: StaticSpec) -> CompiledGemm:
+    """Compile `kernel` (a kernel object with a `@cute.jit __call__`) for `spec.arch`."""
+    global compile_count
+    import cuda.bindings.driver as cuda_driver
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    def ptr(dtype, align):
+        return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
+
+    out_ptr = (
+        ptr(_cutlass_dtype(spec.wgrad_dtype), 16)
+        if spec.output_mode == "dense"
+        else ptr(cutlass.Int64, 16)
+    )
+    with _compile_lock:
+        fn = cute.compile(
+            kernel,
+            ptr(cutlass.BFloat16, 16),
+            ptr(cutlass.BFloat16, 16),
+            ptr(cutlass.Int32, 4),
+            out_ptr,
+            ptr(cutlass.Uint8, 128),
+            Int32(0),
+            Int32(1),
+            cuda_driver.CUstream(0),
+            options=f"--gpu-arch {spec.arch}",
+        )
+        compile_count += 1
+    return CompiledGemm(fn, kernel.cfg, spec)

@@ -1,0 +1,64 @@
+"""BF16 backend for Hopper (SM90): the WGMMA + TMA kernel of kernels/sm90_bf16.py."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+from ..spec import StaticSpec
+from . import _cutedsl
+from .base import Backend, LaunchArgs
+
+#: (tile_m, tile_n) -> schedule. 128x128 and 64xN tiles run one tile per consumer warp group
+#: (pingpong); 128x256 and 256x128 split one tile over both groups (cooperative).
+SM90_TILES = {
+    (128, 256): "cooperative",
+    (256, 128): "cooperative",
+    (128, 192): "cooperative",
+    (128, 128): "pingpong",
+    (64, 256): "pingpong",
+    (64, 128): "pingpong",
+}
+
+
+def sm90_schedule(mma_tiler_mn: Tuple[int, int]) -> str:
+    try:
+        return SM90_TILES[tuple(mma_tiler_mn)]
+    except KeyError:
+        raise ValueError(
+            f"mma_tiler_mn: the SM90 BF16 kernel supports {sorted(SM90_TILES)}, got {tuple(mma_tiler_mn)}"
+        ) from None
+
+
+class Bf16Sm90Backend(Backend):
+    name = "bf16_sm90"
+
+    def default_tiling(self, spec: StaticSpec):
+        # Measured on an H200 (see README, Performance): the cooperative 128x256 tile is the
+        # fastest on every benchmark shape; narrow problems fall back to 128x128 pingpong.
+        if spec.intermediate <= 128:
+            return (128, 128), (1, 1)
+        return (128, 256), (1, 1)
+
+    def check_support(self, spec: StaticSpec) -> None:
+        _cutedsl.check_bf16_spec(spec)
+        schedule = sm90_schedule(spec.mma_tiler_mn)
+        if tuple(spec.cluster_shape_mn) != (1, 1):
+            raise ValueError(
+                f"cluster_shape_mn: the SM90 BF16 kernel runs (1, 1) clusters, got {tuple(spec.cluster_shape_mn)}"
+            )
+        from ..kernels.sm90_bf16 import Sm90GroupedWgrad
+
+        # Constructing the kernel object checks tile/register/shared-memory limits.
+        Sm90GroupedWgrad(_cutedsl.problem_config(spec, schedule))
+
+    def workspace_bytes(self, spec: StaticSpec) -> int:
+        return _cutedsl.problem_config(spec, sm90_schedule(spec.mma_tiler_mn)).workspace_bytes
+
+    def compile(self, spec: StaticSpec):
+        from ..kernels.sm90_bf16 import Sm90GroupedWgrad
+
+        kernel = Sm90GroupedWgrad(_cutedsl.problem_config(spec, sm90_schedule(spec.mma_tiler_mn)))
+        return _cutedsl.compile_gemm(kernel, spec)
+
+    def launch(self, compiled, spec: StaticSpec, args: LaunchArgs) -> None:
+        compiled.launch(args)

@@ -1,0 +1,323 @@
+"""Pieces every gwgrad GEMM kernel shares, whatever the architecture.
+
+Work decomposition. The output is E stacked (hidden x intermediate) matrices; a *unit* is one
+(expert, m-tile, n-tile) output tile, so there are E * tiles_m * tiles_n units, all static.
+Units are numbered expert-rank-major: rank r holds the r-th longest expert (ties by index),
+so handing units out in increasing order runs the longest tiles first, and tiles of one expert
+run side by side and share its A/B K-panels through L2. Inside an expert, n varies fastest.
+
+Per-expert K ranges. A small *prep kernel* (one warp per expert) runs before the GEMM on the
+same stream and writes the workspace:
+
+    counter   int32      the dynamic scheduler's unit counter, reset to 0
+    ranges    int32[2E]  sanitized (begin, end) token range of every expert
+    order     int32[E]   expert of each rank (longest first)
+    descs     128 B each per expert: TMA descriptors for A and B, and for the output in
+              discrete mode
+
+Sanitizing: begin/end are clamped to [0, tokens_sum] and end >= begin, so no descriptor ever
+reaches outside A or B whatever `offsets` holds. For ``tensor2d`` the A/B descriptors keep the
+global base and strides but end the token axis at ``end``; loads start at token ``begin``, so
+the TMA unit zero-fills the last K tile past the expert's end: any token count works, no
+masking in the mainloop. For ``tensor_ragged`` an operand whose unit stride is along K gets
+its expert's own block (base + begin * rows, rows x count with row stride count). Whenever an
+operand's unit stride is along K, TMA needs 16-byte aligned rows, so an expert whose count is
+not a multiple of 8 is treated as empty (host validation rejects those offsets first). Discrete outputs get one
+descriptor per expert from ``wgrad_ptrs``; a null or unaligned address skips that expert's
+store instead of faulting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import cute as _cute_ir
+from cutlass._mlir.dialects import cute_nvgpu as _cute_nvgpu_ir
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.typing import AddressSpace
+from cutlass.cutlass_dsl import dsl_user_op
+
+DESC_BYTES = 128
+COUNTER_BYTES = 128
+
+
+def ceil_div(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+@dataclass(frozen=True)
+class ProblemConfig:
+    """What a kernel compiles in (derived from gwgrad's StaticSpec, arch-neutral)."""
+
+    hidden: int
+    intermediate: int
+    num_experts: int
+    a_major: str  # "k" | "m"
+    b_major: str  # "k" | "n"
+    input_order: str  # "tensor2d" | "tensor_ragged"
+    output_mode: str  # "dense" | "discrete"
+    accumulate: bool
+    ab_dtype: str  # "bfloat16"
+    c_dtype: str  # "bfloat16" | "float16" | "float32"
+    tile_m: int
+    tile_n: int
+    tile_k: int = 64
+    cluster_m: int = 1
+    cluster_n: int = 1
+    schedule: str = "cooperative"  # SM90: "cooperative" | "pingpong"
+
+    # -- static tiling ------------------------------------------------------------------
+    @property
+    def tiles_m(self) -> int:
+        return ceil_div(self.hidden, self.tile_m)
+
+    @property
+    def tiles_n(self) -> int:
+        return ceil_div(self.intermediate, self.tile_n)
+
+    @property
+    def tiles_per_expert(self) -> int:
+        return self.tiles_m * self.tiles_n
+
+    @property
+    def num_units(self) -> int:
+        return self.num_experts * self.tiles_per_expert
+
+    # -- ragged blocks ------------------------------------------------------------------
+    @property
+    def a_ragged_block(self) -> bool:
+        """A's experts are separate K-contiguous blocks (own base and row stride)."""
+        return self.input_order == "tensor_ragged" and self.a_major == "k"
+
+    @property
+    def b_ragged_block(self) -> bool:
+        return self.input_order == "tensor_ragged" and self.b_major == "k"
+
+    @property
+    def count_multiple(self) -> int:
+        """Token counts the kernel can load; others are treated as empty (see module doc).
+
+        With the token axis contiguous (a K-major operand), TMA needs every expert's rows to
+        start and end on 16-byte boundaries: multiples of 8 BF16 tokens."""
+        return 8 if "k" in (self.a_major, self.b_major) else 1
+
+    # -- workspace layout ---------------------------------------------------------------
+    @property
+    def desc_slots(self) -> int:
+        return 3 if self.output_mode == "discrete" else 2
+
+    @property
+    def ranges_offset(self) -> int:
+        return COUNTER_BYTES
+
+    @property
+    def order_offset(self) -> int:
+        return COUNTER_BYTES + 8 * self.num_experts
+
+    @property
+    def desc_offset(self) -> int:
+        return ceil_div(self.order_offset + 4 * self.num_experts, DESC_BYTES) * DESC_BYTES
+
+    @property
+    def workspace_bytes(self) -> int:
+        return self.desc_offset + self.num_experts * self.desc_slots * DESC_BYTES
+
+    @property
+    def cutlass_ab_dtype(self):
+        return _CUTLASS_DTYPES[self.ab_dtype]
+
+    @property
+    def cutlass_c_dtype(self):
+        return _CUTLASS_DTYPES[self.c_dtype]
+
+
+_CUTLASS_DTYPES = {
+    "bfloat16": cutlass.BFloat16,
+    "float16": cutlass.Float16,
+    "float32": cutlass.Float32,
+}
+
+DESC_A, DESC_B, DESC_C = 0, 1, 2
+
+
+# ----------------------------------------------------------------------------------------
+# GEMM-domain views of the caller's storage
+# ----------------------------------------------------------------------------------------
+
+
+def gemm_views(cfg: ProblemConfig, a_ptr, b_ptr, tokens_sum: Int32):
+    """A as (hidden, tokens_sum) and B as (intermediate, tokens_sum): the K mode is the token
+    axis for both, with the strides the contract allows for each major."""
+    m, n = cfg.hidden, cfg.intermediate
+    t64 = Int64(tokens_sum)
+    if cfg.a_major == "k":
+        a_layout = cute.make_layout((m, tokens_sum), stride=(t64, 1))
+    else:
+        a_layout = cute.make_layout((m, tokens_sum), stride=(1, m))
+    if cfg.b_major == "k":
+        b_layout = cute.make_layout((n, tokens_sum), stride=(t64, 1))
+    else:
+        b_layout = cute.make_layout((n, tokens_sum), stride=(1, n))
+    return cute.make_tensor(a_ptr, a_layout), cute.make_tensor(b_ptr, b_layout)
+
+
+def dense_output_view(cfg: ProblemConfig, c_ptr):
+    """The stacked (E, hidden, intermediate) output as (hidden, intermediate, E)."""
+    m, n, e = cfg.hidden, cfg.intermediate, cfg.num_experts
+    return cute.make_tensor(c_ptr, cute.make_layout((m, n, e), stride=(n, 1, m * n)))
+
+
+def expert_output_view(cfg: ProblemConfig, c_ptr):
+    m, n = cfg.hidden, cfg.intermediate
+    return cute.make_tensor(c_ptr, cute.make_layout((m, n), stride=(n, 1)))
+
+
+@cute.jit
+def expert_operand_view(
+    mX: cute.Tensor, rows: cutlass.Constexpr, ragged_block: cutlass.Constexpr, begin: Int32, end: Int32
+) -> cute.Tensor:
+    """The (rows, tokens) tensor one expert's descriptor is built from.
+
+    tensor2d (and ragged operands whose unit stride is not K): the global tensor with its token
+    axis ended at `end`; loads use global token coordinates from `begin`.
+    ragged K-contiguous block: (rows, count) at base + begin*rows with row stride count; loads
+    use block-local token coordinates from 0.
+    """
+    res = mX
+    if cutlass.const_expr(ragged_block):
+        count = end - begin
+        base = mX.iterator + Int64(begin) * rows
+        res = cute.make_tensor(
+            base, cute.make_layout((rows, cutlass.max(count, 1)), stride=(Int64(count), 1))
+        )
+    else:
+        res = cute.make_tensor(
+            mX.iterator, cute.make_layout((rows, cutlass.max(end, 1)), stride=mX.stride)
+        )
+    return res
+
+
+# ----------------------------------------------------------------------------------------
+# Workspace access
+# ----------------------------------------------------------------------------------------
+
+
+class Workspace:
+    """Typed views of the workspace (see module doc). Built inside kernels from one pointer."""
+
+    def __init__(self, cfg: ProblemConfig, base: cute.Pointer):
+        self.cfg = cfg
+        self.base = base  # Uint8 gmem pointer, 128-byte aligned
+        e = cfg.num_experts
+        self.counter = cute.make_tensor(
+            cute.recast_ptr(base, dtype=Int32), cute.make_layout(1)
+        )
+        self.ranges = cute.make_tensor(
+            cute.recast_ptr(base + cfg.ranges_offset, dtype=Int32), cute.make_layout(2 * e)
+        )
+        self.order = cute.make_tensor(
+            cute.recast_ptr(base + cfg.order_offset, dtype=Int32), cute.make_layout(e)
+        )
+
+    # Kernels carry a Workspace through dynamic loops: it is rebuilt from its base pointer.
+    def __extract_mlir_values__(self):
+        return cutlass.extract_mlir_values(self.base)
+
+    def __new_from_mlir_values__(self, values):
+        return Workspace(self.cfg, cutlass.new_from_mlir_values(self.base, values))
+
+    def desc_ptr(self, expert: Int32, slot: int) -> cute.Pointer:
+        off = self.cfg.desc_offset + (Int64(expert) * self.cfg.desc_slots + slot) * DESC_BYTES
+        return (self.base + off).align(DESC_BYTES)
+
+
+@dsl_user_op
+def tma_desc_ptr_for_copy(raw_ptr: cute.Pointer, *, loc=None, ip=None) -> cute.Pointer:
+    """A workspace descriptor address in the form `cute.copy(..., tma_desc_ptr=...)` takes:
+    a generic-space pointer typed as a tiled TMA descriptor."""
+    llvm_ptr = raw_ptr.to_llvm_ptr(loc=loc, ip=ip)
+    generic = llvm.addrspacecast(llvm.PointerType.get(AddressSpace.generic), llvm_ptr, loc=loc, ip=ip)
+    gptr = cute.make_ptr(
+        raw_ptr.dtype, generic, AddressSpace.generic, assumed_align=DESC_BYTES, loc=loc, ip=ip
+    )
+    desc_ty = _cute_ir.PtrType.get(
+        _cute_nvgpu_ir.TmaDescriptorTiledType.get(), gptr.memspace, gptr.alignment
+    )
+    return _cute_ir.recast_iter(desc_ty, gptr.value)
+
+
+# ----------------------------------------------------------------------------------------
+# Expert ranges, schedule order, unit decoding
+# ----------------------------------------------------------------------------------------
+
+
+@cute.jit
+def sanitized_range(
+    offsets: cute.Tensor, expert: Int32, tokens_sum: Int32, count_multiple: cutlass.Constexpr
+):
+    """(begin, end) of one expert, clamped so that 0 <= begin <= end <= tokens_sum."""
+    end = cutlass.min(cutlass.max(offsets[expert], 0), tokens_sum)
+    begin = Int32(0)
+    if expert > 0:
+        begin = cutlass.min(cutlass.max(offsets[expert - 1], 0), tokens_sum)
+    end = cutlass.max(end, begin)
+    if cutlass.const_expr(count_multiple > 1):
+        if (end - begin) % count_multiple != 0:
+            end = begin
+    return begin, end
+
+
+@cute.jit
+def write_ranges_and_order(
+    cfg: cutlass.Constexpr, offsets: cute.Tensor, tokens_sum: Int32, ws: Workspace
+):
+    """Body of the prep kernel's bookkeeping: one warp per expert (block index = expert).
+
+    The rank of expert e is the number of experts with more tokens, or as many and a lower
+    index: a stable longest-first sort without any inter-block communication.
+    """
+    expert = cute.arch.block_idx()[0]
+    lane = cute.arch.lane_idx()
+    begin, end = sanitized_range(offsets, expert, tokens_sum, cfg.count_multiple)
+    count = end - begin
+    ahead = Int32(0)
+    for j in range(lane, cfg.num_experts, 32):
+        bj, ej = sanitized_range(offsets, j, tokens_sum, cfg.count_multiple)
+        cj = ej - bj
+        if cj > count or (cj == count and j < expert):
+            ahead += 1
+    rank = cute.arch.warp_redux_sync(ahead, "add")
+    ranges, order, counter = ws.ranges, ws.order, ws.counter
+    if lane == 0:
+        ranges[2 * expert] = begin
+        ranges[2 * expert + 1] = end
+        order[rank] = expert
+        if expert == 0:
+            counter[0] = Int32(0)
+    return begin, end
+
+
+@cute.jit
+def decode_unit(cfg: cutlass.Constexpr, unit: Int32, ws: Workspace):
+    """unit -> (expert, tile_m, tile_n, begin, k_tiles)."""
+    rank = unit // cfg.tiles_per_expert
+    local = unit - rank * cfg.tiles_per_expert
+    expert = ws.order[rank]
+    begin = ws.ranges[2 * expert]
+    end = ws.ranges[2 * expert + 1]
+    k_tiles = (end - begin + (cfg.tile_k - 1)) // cfg.tile_k
+    tile_m = local // cfg.tiles_n
+    tile_n = local - tile_m * cfg.tiles_n
+    return expert, tile_m, tile_n, begin, k_tiles
+
+
+@cute.jit
+def output_ptr_ok(ptrs: cute.Tensor, expert: Int32) -> cutlass.Boolean:
+    """Discrete mode: a null or unaligned expert address skips that expert's store."""
+    p = ptrs[expert]
+    return p != 0 and (p & 15) == 0

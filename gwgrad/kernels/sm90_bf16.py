@@ -1,0 +1,635 @@
+"""Hopper (SM90) grouped weight-gradient GEMM: W[e] = A[:, tokens_e] @ B[tokens_e, :].
+
+Work decomposition: units of (expert, m-tile, n-tile), longest experts first, handed out
+dynamically (see kernels/common.py for the unit order, the per-expert K ranges and the
+workspace the prep kernel writes before this kernel runs).
+
+Warp roles (384 threads, one CTA per SM, persistent):
+  warp group 0   producer. Warp 0 takes units (its block index first, then an atomic counter),
+                 publishes each unit to the consumers through a small shared-memory ring, and
+                 issues the TMA loads of the unit's A (tile_m x 64) and B (tile_n x 64) K-blocks
+                 into a multi-stage ring, using the expert's own descriptors (TMA zero-fills
+                 past the expert's last token). Registers are given away (setmaxnreg 40).
+  warp groups 1-2 consumers (setmaxnreg 232), WGMMA with FP32 accumulators in registers:
+                 cooperative: both warp groups work on one unit, each on half of its rows;
+                 pingpong:    each warp group owns every other unit; ordered named barriers
+                              hand the tensor cores from one to the other, so one group's
+                              epilogue runs while the other group's mainloop does.
+
+Pipelines: `ab` (TMA -> WGMMA, mbarriers with transaction counts), `sched` (unit ids, producer
+warp -> all consumer threads), and the TMA store of the epilogue (bulk async groups).
+
+Epilogue: accumulators are converted to the output dtype, written to shared memory with
+stmatrix in (64|128) x 32 sub-tiles and stored with TMA: a plain store, or a reduce-add
+(`cp.reduce.async.bulk.tensor .add`) when accumulating; dense outputs use one (hidden,
+intermediate, E) descriptor, discrete outputs the expert's descriptor from the workspace.
+An empty expert stores zeros, or nothing when accumulating.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Int32, Int64
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+
+from .common import (
+    DESC_A,
+    DESC_B,
+    DESC_C,
+    ProblemConfig,
+    Workspace,
+    decode_unit,
+    dense_output_view,
+    expert_operand_view,
+    expert_output_view,
+    gemm_views,
+    output_ptr_ok,
+    tma_desc_ptr_for_copy,
+    write_ranges_and_order,
+)
+
+SMEM_CAPACITY = 232448  # 227 KiB usable per CTA on SM90
+SCHED_STAGES = 4
+
+# Named barrier ids (0 is __syncthreads).
+BAR_EPI = 1  # cooperative: both consumer groups; pingpong: + warp group (1, 2)
+BAR_MMA_ORDER = 3  # pingpong: + warp group (3, 4)
+BAR_EPI_ORDER = 5  # pingpong: + warp group (5, 6)
+
+
+class Sm90GroupedWgrad:
+    """One compiled kernel per ProblemConfig. Call through `__call__` (a `@cute.jit`)."""
+
+    def __init__(self, cfg: ProblemConfig):
+        self.cfg = cfg
+        self.pingpong = cfg.schedule == "pingpong"
+        self.acc_dtype = cutlass.Float32
+        self.ab_dtype = cfg.cutlass_ab_dtype
+        self.c_dtype = cfg.cutlass_c_dtype
+        self.tile_shape_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
+        self.num_threads = 384
+        self.num_mma_threads = 256
+        self.load_regs = 40
+        self.mma_regs = 232
+        if cfg.cluster_m != 1 or cfg.cluster_n != 1:
+            raise ValueError(
+                f"cluster_shape_mn: the SM90 kernel runs 1x1 clusters, got ({cfg.cluster_m}, {cfg.cluster_n})"
+            )
+        # Each consumer warp group's accumulator must fit its registers.
+        acc_per_thread = cfg.tile_m * cfg.tile_n // (128 if self.pingpong else 256)
+        if acc_per_thread > 128:
+            raise ValueError(
+                f"mma_tiler_mn: {cfg.tile_m}x{cfg.tile_n} needs {acc_per_thread} accumulator "
+                f"registers per thread with the {cfg.schedule} schedule; at most 128 fit"
+            )
+        if self.pingpong:
+            if cfg.tile_m not in (64, 128) or cfg.tile_n not in (64, 128, 192, 256):
+                raise ValueError(
+                    f"mma_tiler_mn: pingpong tiles are 64|128 x 64..256, got {cfg.tile_m}x{cfg.tile_n}"
+                )
+        else:
+            if cfg.tile_m not in (128, 256) or cfg.tile_n not in (64, 128, 192, 256):
+                raise ValueError(
+                    f"mma_tiler_mn: cooperative tiles are 128|256 x 64..256, got {cfg.tile_m}x{cfg.tile_n}"
+                )
+
+    # ------------------------------------------------------------------------------------
+    # host side
+    # ------------------------------------------------------------------------------------
+    def _setup(self):
+        cfg = self.cfg
+        a_layout = utils.LayoutEnum.ROW_MAJOR if cfg.a_major == "k" else utils.LayoutEnum.COL_MAJOR
+        b_layout = utils.LayoutEnum.ROW_MAJOR if cfg.b_major == "k" else utils.LayoutEnum.COL_MAJOR
+        self.a_layout, self.b_layout = a_layout, b_layout
+        self.c_layout = utils.LayoutEnum.ROW_MAJOR
+        atom_layout = (1, 1, 1) if self.pingpong else (2, 1, 1)
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            a_layout.sm90_mma_major_mode(),
+            b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            atom_layout,
+            tiler_mn=(64, cfg.tile_n),
+        )
+        self.epi_tile = (
+            (min(64, cfg.tile_m), min(32, cfg.tile_n))
+            if self.pingpong
+            else (min(128, cfg.tile_m), min(32, cfg.tile_n))
+        )
+        ab_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * self.ab_dtype.width // 8
+        c_bytes = self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8
+        self.epi_stage = 4 if self.c_dtype.width == 16 else 2
+        reserved = 2048  # mbarriers, the unit ring, alignment
+        self.ab_stage = (SMEM_CAPACITY - reserved - self.epi_stage * c_bytes) // ab_bytes
+        if self.ab_stage < 2:
+            raise ValueError(f"mma_tiler_mn: {cfg.tile_m}x{cfg.tile_n} leaves < 2 pipeline stages")
+        self.ab_stage = min(self.ab_stage, 8)
+
+        self.a_smem_layout_staged = sm90_utils.make_smem_layout_a(
+            a_layout, self.tile_shape_mnk, self.ab_dtype, self.ab_stage
+        )
+        self.b_smem_layout_staged = sm90_utils.make_smem_layout_b(
+            b_layout, self.tile_shape_mnk, self.ab_dtype, self.ab_stage
+        )
+        self.epi_smem_layout_staged = sm90_utils.make_smem_layout_epi(
+            self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage
+        )
+        self.tma_bytes = ab_bytes
+
+    def _c_store_op(self):
+        if self.cfg.accumulate:
+            return cpasync.CopyReduceBulkTensorTileS2GOp()
+        return cpasync.CopyBulkTensorTileS2GOp()
+
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        offsets_ptr: cute.Pointer,
+        c_ptr: cute.Pointer,
+        workspace_ptr: cute.Pointer,
+        tokens_sum: Int32,
+        grid_size: Int32,
+        stream: cuda.CUstream,
+    ):
+        """Launch prep + GEMM on `stream`. `c_ptr` is the dense output, or in discrete mode the
+        int64 array of per-expert output addresses."""
+        cfg = self.cfg
+        self._setup()
+        mA, mB = gemm_views(cfg, a_ptr, b_ptr, tokens_sum)
+        offsets = cute.make_tensor(offsets_ptr, cute.make_layout(cfg.num_experts))
+        a_smem_layout = cute.slice_(self.a_smem_layout_staged, (None, None, 0))
+        b_smem_layout = cute.slice_(self.b_smem_layout_staged, (None, None, 0))
+        epi_smem_layout = cute.slice_(self.epi_smem_layout_staged, (None, None, 0))
+        tma_atom_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mA, a_smem_layout, (cfg.tile_m, cfg.tile_k)
+        )
+        tma_atom_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mB, b_smem_layout, (cfg.tile_n, cfg.tile_k)
+        )
+        if cutlass.const_expr(cfg.output_mode == "dense"):
+            mC = dense_output_view(cfg, c_ptr)
+            wgrad_ptrs = cute.make_tensor(
+                cute.recast_ptr(workspace_ptr, dtype=Int64), cute.make_layout(1)
+            )
+        else:
+            # The host-side atom only fixes types and coordinates; its own descriptor (over
+            # the workspace) is never used: every store goes through an expert's descriptor.
+            mC = expert_output_view(cfg, cute.recast_ptr(workspace_ptr, dtype=self.c_dtype))
+            wgrad_ptrs = cute.make_tensor(
+                cute.recast_ptr(c_ptr, dtype=Int64), cute.make_layout(cfg.num_experts)
+            )
+        tma_atom_c, tma_tensor_c = cpasync.make_tiled_tma_atom(
+            self._c_store_op(), mC, epi_smem_layout, self.epi_tile
+        )
+
+        self.prep_kernel(
+            mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr,
+            a_smem_layout, b_smem_layout, epi_smem_layout,
+        ).launch(grid=(cfg.num_experts, 1, 1), block=(32, 1, 1), stream=stream)
+
+        @cute.struct
+        class SharedStorage:
+            ab_mbar: cute.struct.MemRange[Int64, self.ab_stage * 2]
+            sched_mbar: cute.struct.MemRange[Int64, SCHED_STAGES * 2]
+            sched_slots: cute.struct.MemRange[Int32, SCHED_STAGES * 4]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_layout_staged)], 1024
+            ]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_layout_staged)], 1024
+            ]
+            sC: cute.struct.Align[
+                cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout_staged)], 1024
+            ]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tma_tensor_c,
+            wgrad_ptrs, workspace_ptr, self.tiled_mma,
+            self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
+        ).launch(
+            grid=(grid_size, 1, 1),
+            block=(self.num_threads, 1, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------------------------
+    # prep kernel: ranges, longest-first order, counter, per-expert descriptors
+    # ------------------------------------------------------------------------------------
+    @cute.kernel
+    def prep_kernel(
+        self,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        offsets: cute.Tensor,
+        tokens_sum: Int32,
+        wgrad_ptrs: cute.Tensor,
+        workspace_ptr: cute.Pointer,
+        a_smem_layout: cute.ComposedLayout,
+        b_smem_layout: cute.ComposedLayout,
+        epi_smem_layout: cute.ComposedLayout,
+    ):
+        cfg = self.cfg
+        ws = Workspace(cfg, workspace_ptr)
+        expert = cute.arch.block_idx()[0]
+        begin, end = write_ranges_and_order(cfg, offsets, tokens_sum, ws)
+        a_e = expert_operand_view(mA, cfg.hidden, cfg.a_ragged_block, begin, end)
+        atom_a, _ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), a_e, a_smem_layout, (cfg.tile_m, cfg.tile_k)
+        )
+        cpasync.copy_tensormap(atom_a, ws.desc_ptr(expert, DESC_A))
+        b_e = expert_operand_view(mB, cfg.intermediate, cfg.b_ragged_block, begin, end)
+        atom_b, _ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), b_e, b_smem_layout, (cfg.tile_n, cfg.tile_k)
+        )
+        cpasync.copy_tensormap(atom_b, ws.desc_ptr(expert, DESC_B))
+        if cutlass.const_expr(cfg.output_mode == "discrete"):
+            if output_ptr_ok(wgrad_ptrs, expert):
+                c_e = expert_output_view(
+                    cfg,
+                    cute.make_ptr(
+                        self.c_dtype, wgrad_ptrs[expert], cute.AddressSpace.gmem, assumed_align=16
+                    ),
+                )
+                atom_c, _ = cpasync.make_tiled_tma_atom(
+                    self._c_store_op(), c_e, epi_smem_layout, self.epi_tile
+                )
+                cpasync.copy_tensormap(atom_c, ws.desc_ptr(expert, DESC_C))
+        # Order the descriptor writes before the GEMM kernel's tensormap-proxy reads.
+        cpasync.fence_tma_desc_release()
+
+    # ------------------------------------------------------------------------------------
+    # GEMM kernel
+    # ------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA_coord: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB_coord: cute.Tensor,
+        tma_atom_c: cute.CopyAtom,
+        mC_coord: cute.Tensor,
+        wgrad_ptrs: cute.Tensor,
+        workspace_ptr: cute.Pointer,
+        tiled_mma: cute.TiledMma,
+        a_smem_layout_staged: cute.ComposedLayout,
+        b_smem_layout_staged: cute.ComposedLayout,
+        epi_smem_layout_staged: cute.ComposedLayout,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+        ws = Workspace(cfg, workspace_ptr)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_mbar.data_ptr(),
+            num_stages=self.ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # One arrive per consumer warp that reads a stage.
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 4 if self.pingpong else 8
+            ),
+            tx_count=self.tma_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        sched_pipeline = pipeline.PipelineAsync.create(
+            barrier_storage=storage.sched_mbar.data_ptr(),
+            num_stages=SCHED_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+            defer_sync=True,
+        )
+        sched_slots = cute.make_tensor(
+            storage.sched_slots.data_ptr(), cute.make_layout((4, SCHED_STAGES))
+        )
+        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        sC = storage.sC.get_tensor(
+            epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner
+        )
+        pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if warp_group_idx == 0:
+            cute.arch.setmaxregister_decrease(self.load_regs)
+            if warp_idx == 0:
+                self.producer(
+                    tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB,
+                    ab_pipeline, sched_pipeline, sched_slots, ws,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self.consumer(
+                tiled_mma, tma_atom_c, mC_coord, wgrad_ptrs, sA, sB, sC,
+                ab_pipeline, sched_pipeline, sched_slots, ws, tidx, warp_idx, warp_group_idx - 1,
+            )
+
+    # ------------------------------------------------------------------------------------
+    @cute.jit
+    def producer(
+        self, tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB,
+        ab_pipeline, sched_pipeline, sched_slots, ws,
+    ):
+        cfg = self.cfg
+        lane = cute.arch.lane_idx()
+        ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
+        sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
+        grid = cute.arch.grid_dim()[0]
+        unit = Int32(cute.arch.block_idx()[0])
+        last_expert = Int32(-1)
+        while unit < cfg.num_units:
+            expert, tile_m, tile_n, begin, k_tiles = decode_unit(cfg, unit, ws)
+            self.publish(sched_pipeline, sched_state, sched_slots, unit, expert, k_tiles, lane)
+            sched_state.advance()
+            # Take the next unit now: the atomic's latency hides behind this unit's loads.
+            nxt = Int32(0)
+            if lane == 0:
+                nxt = cute.arch.atomic_add(ws.counter.iterator, Int32(1)) + grid
+            nxt = cute.arch.shuffle_sync(nxt, 0)
+
+            if expert != last_expert:
+                # The prep kernel rewrote these descriptors since any earlier launch that used
+                # the same workspace: drop stale copies from the TMA descriptor cache.
+                cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_A))
+                cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_B))
+            last_expert = expert
+            desc_a = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_A))
+            desc_b = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_B))
+            k0 = begin
+            if cutlass.const_expr(cfg.a_ragged_block):
+                k0 = Int32(0)
+            gA = cute.local_tile(
+                cute.domain_offset((0, k0), mA_coord), (cfg.tile_m, cfg.tile_k), (None, None)
+            )
+            tAsA, tAgA = cpasync.tma_partition(
+                tma_atom_a, 0, cute.make_layout(1),
+                cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
+            )
+            kb0 = begin
+            if cutlass.const_expr(cfg.b_ragged_block):
+                kb0 = Int32(0)
+            gB = cute.local_tile(
+                cute.domain_offset((0, kb0), mB_coord), (cfg.tile_n, cfg.tile_k), (None, None)
+            )
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_atom_b, 0, cute.make_layout(1),
+                cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2),
+            )
+            for kt in cutlass.range(k_tiles, unroll=1):
+                ab_pipeline.producer_acquire(ab_state)
+                bar = ab_pipeline.producer_get_barrier(ab_state)
+                cute.copy(
+                    tma_atom_a, tAgA[(None, tile_m, kt)], tAsA[(None, ab_state.index)],
+                    tma_bar_ptr=bar, tma_desc_ptr=desc_a,
+                )
+                cute.copy(
+                    tma_atom_b, tBgB[(None, tile_n, kt)], tBsB[(None, ab_state.index)],
+                    tma_bar_ptr=bar, tma_desc_ptr=desc_b,
+                )
+                ab_pipeline.producer_commit(ab_state)
+                ab_state.advance()
+            unit = nxt
+        # Tell the consumers there is no more work.
+        self.publish(sched_pipeline, sched_state, sched_slots, unit, Int32(-1), Int32(0), lane)
+        ab_pipeline.producer_tail(ab_state)
+
+    @cute.jit
+    def publish(self, sched_pipeline, sched_state, sched_slots, unit, expert, k_tiles, lane):
+        sched_pipeline.producer_acquire(sched_state)
+        if lane == 0:
+            sched_slots[(0, sched_state.index)] = unit
+            sched_slots[(1, sched_state.index)] = expert
+            sched_slots[(2, sched_state.index)] = k_tiles
+        sched_pipeline.producer_commit(sched_state)
+
+    @cute.jit
+    def take(self, sched_pipeline, sched_state, sched_slots):
+        """Next published unit: (unit, expert, k_tiles); expert < 0 means no more work."""
+        sched_pipeline.consumer_wait(sched_state)
+        unit = sched_slots[(0, sched_state.index)]
+        expert = sched_slots[(1, sched_state.index)]
+        k_tiles = sched_slots[(2, sched_state.index)]
+        sched_pipeline.consumer_release(sched_state)
+        sched_state.advance()
+        # The state is returned so that callers inside a dynamic `if` rebind it there.
+        return unit, expert, k_tiles, sched_state
+
+    @cute.jit
+    def skip(self, ab_read, ab_release, k_tiles):
+        """Pingpong: step over the K blocks of the peer group's unit."""
+        ab_read.advance(k_tiles)
+        ab_release.advance(k_tiles)
+        return ab_read, ab_release
+
+    # ------------------------------------------------------------------------------------
+    @cute.jit
+    def consumer(
+        self, tiled_mma, tma_atom_c, mC_coord, wgrad_ptrs, sA, sB, sC,
+        ab_pipeline, sched_pipeline, sched_slots, ws, tidx, warp_idx, mma_group,
+    ):
+        cfg = self.cfg
+        # Thread index inside the tiled MMA: both groups (cooperative) or one (pingpong).
+        mma_tidx = tidx - 128
+        epi_bar = pipeline.NamedBarrier(barrier_id=BAR_EPI, num_threads=256)
+        store_warp = 4  # first consumer warp issues the TMA stores
+        if cutlass.const_expr(self.pingpong):
+            mma_tidx = tidx % 128
+            epi_bar = pipeline.NamedBarrier(barrier_id=BAR_EPI + mma_group, num_threads=128)
+            store_warp = 4 + 4 * mma_group
+        thr_mma = tiled_mma.get_slice(mma_tidx)
+        tile_mn = cute.slice_(self.tile_shape_mnk, (None, None, 0))
+
+        tCsA = thr_mma.partition_A(sA)
+        tCsB = thr_mma.partition_B(sB)
+        tCrA = tiled_mma.make_fragment_A(tCsA)
+        tCrB = tiled_mma.make_fragment_B(tCsB)
+        acc_shape = thr_mma.partition_shape_C(tile_mn)
+        acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+
+        # Epilogue partitions (register -> shared memory with stmatrix).
+        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
+            self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
+        )
+        copy_atom_c = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
+        )
+        tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
+        tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
+        thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+        tRS_sD = thr_copy_r2s.partition_D(sC)
+        tRS_rAcc = tiled_copy_r2s.retile(acc)
+        rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
+        tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
+        tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.c_dtype)
+        store_pipeline = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stage,
+            producer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 128 if self.pingpong else 256
+            ),
+        )
+
+        if cutlass.const_expr(cfg.output_mode == "dense"):
+            gC = cute.local_tile(mC_coord, (cfg.tile_m, cfg.tile_n, 1), (None, None, None))
+        else:
+            gC = cute.local_tile(mC_coord, tile_mn, (None, None))
+
+        ab_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        ab_release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
+        mma_order_self = pipeline.NamedBarrier(barrier_id=BAR_MMA_ORDER + mma_group, num_threads=256)
+        mma_order_peer = pipeline.NamedBarrier(barrier_id=BAR_MMA_ORDER + 1 - mma_group, num_threads=256)
+        epi_order_self = pipeline.NamedBarrier(barrier_id=BAR_EPI_ORDER + mma_group, num_threads=256)
+        epi_order_peer = pipeline.NamedBarrier(barrier_id=BAR_EPI_ORDER + 1 - mma_group, num_threads=256)
+        is_store_warp = warp_idx == store_warp
+
+        unit, expert, k_tiles, sched_state = self.take(sched_pipeline, sched_state, sched_slots)
+        if cutlass.const_expr(self.pingpong):
+            if mma_group == 0:
+                # Group 0 goes first: give it the start signal for both ordered sections.
+                mma_order_self.arrive()
+                epi_order_self.arrive()
+            else:
+                # Group 1 starts with the second unit: skip the first one's stages.
+                if expert >= 0:
+                    ab_read, ab_release = self.skip(ab_read, ab_release, k_tiles)
+                    unit, expert, k_tiles, sched_state = self.take(
+                        sched_pipeline, sched_state, sched_slots
+                    )
+
+        n_done = Int32(0)
+        while expert >= 0:
+            rank_local = unit % cfg.tiles_per_expert
+            tile_m = rank_local // cfg.tiles_n
+            tile_n = rank_local - tile_m * cfg.tiles_n
+            if cutlass.const_expr(self.pingpong):
+                mma_order_self.arrive_and_wait()
+            ab_read, ab_release = self.mainloop(
+                tiled_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release, k_tiles
+            )
+            if cutlass.const_expr(self.pingpong):
+                mma_order_peer.arrive()
+
+            store = True
+            if cutlass.const_expr(cfg.accumulate):
+                store = k_tiles > 0  # adding zeros changes nothing
+            if cutlass.const_expr(cfg.output_mode == "discrete"):
+                store = store and output_ptr_ok(wgrad_ptrs, expert)
+            if cutlass.const_expr(self.pingpong):
+                epi_order_self.arrive_and_wait()
+            if store:
+                if cutlass.const_expr(cfg.output_mode == "dense"):
+                    gC_tile = gC[(None, None, 0, tile_m, tile_n, expert)]
+                    self.epilogue(
+                        tma_atom_c, gC_tile, None, acc, tiled_copy_r2s, tRS_rAcc, tRS_rD,
+                        tRS_rD_out, tRS_sD, sC, store_pipeline, epi_bar, is_store_warp, n_done,
+                    )
+                else:
+                    gC_tile = gC[(None, None, tile_m, tile_n)]
+                    if is_store_warp:
+                        cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_C))
+                    desc_c = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_C))
+                    self.epilogue(
+                        tma_atom_c, gC_tile, desc_c, acc, tiled_copy_r2s, tRS_rAcc, tRS_rD,
+                        tRS_rD_out, tRS_sD, sC, store_pipeline, epi_bar, is_store_warp, n_done,
+                    )
+                n_done += 1
+            if cutlass.const_expr(self.pingpong):
+                # The peer group reuses the same staging buffers: let our stores drain first.
+                if is_store_warp:
+                    store_pipeline.producer_tail()
+                epi_order_peer.arrive()
+
+            unit, expert, k_tiles, sched_state = self.take(sched_pipeline, sched_state, sched_slots)
+            if cutlass.const_expr(self.pingpong):
+                if expert >= 0:
+                    # Skip the peer group's unit.
+                    ab_read, ab_release = self.skip(ab_read, ab_release, k_tiles)
+                    unit, expert, k_tiles, sched_state = self.take(
+                        sched_pipeline, sched_state, sched_slots
+                    )
+
+        if is_store_warp:
+            store_pipeline.producer_tail()
+
+    @cute.jit
+    def mainloop(self, tiled_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release, k_tiles):
+        """acc = sum over the unit's K blocks; one WGMMA batch kept in flight."""
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        acc.fill(0.0)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.fence()
+        for kt in cutlass.range(k_tiles, unroll=1):
+            ab_pipeline.consumer_wait(ab_read)
+            for kb in cutlass.range_constexpr(num_k_blocks):
+                coord = (None, None, kb, ab_read.index)
+                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+            warpgroup.commit_group()
+            ab_read.advance()
+            if kt > 0:
+                # The batch before this one is done reading its stage: hand it back.
+                warpgroup.wait_group(1)
+                ab_pipeline.consumer_release(ab_release)
+                ab_release.advance()
+        warpgroup.wait_group(0)
+        if k_tiles > 0:
+            ab_pipeline.consumer_release(ab_release)
+            ab_release.advance()
+            ab_release = ab_release
+        # Returned so that the caller's loop carries the advanced states: the DSL only threads
+        # values rebound in the loop body itself, not attributes changed inside a helper.
+        return ab_read, ab_release
+
+    @cute.jit
+    def epilogue(
+        self, tma_atom_c, gC_tile, desc_c, acc, tiled_copy_r2s, tRS_rAcc, tRS_rD, tRS_rD_out,
+        tRS_sD, sC, store_pipeline, epi_bar, is_store_warp, n_done,
+    ):
+        gC_epi = cute.zipped_divide(gC_tile, self.epi_tile)
+        bSG_sD, bSG_gD = cpasync.tma_partition(
+            tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+        )
+        epi_tiles = cute.size(gC_epi, mode=[1])
+        epi_shape = gC_epi.shape[1]
+        epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+        size_rD = cute.size(tRS_rD)
+        first_buffer = n_done * epi_tiles
+        for epi_idx in cutlass.range_constexpr(epi_tiles):
+            for v in cutlass.range_constexpr(size_rD):
+                tRS_rD[v] = tRS_rAcc[epi_idx * size_rD + v]
+            tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
+            buf = (first_buffer + epi_idx) % self.epi_stage
+            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+            # stmatrix writes go through the generic proxy; TMA reads through the async one.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            epi_bar.arrive_and_wait()
+            if is_store_warp:
+                gcoord = epi_layout.get_hier_coord(epi_idx)
+                if cutlass.const_expr(desc_c is None):
+                    cute.copy(tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gcoord)])
+                else:
+                    cute.copy(
+                        tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gcoord)],
+                        tma_desc_ptr=desc_c,
+                    )
+                store_pipeline.producer_commit()
+                store_pipeline.producer_acquire()
+            epi_bar.arrive_and_wait()

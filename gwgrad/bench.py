@@ -1,0 +1,313 @@
+"""`python -m gwgrad bench`: gwgrad against what an H100/H200 user has today, on the MoE shapes
+of shared/bench/shapes.json (a copy ships as gwgrad/bench_shapes.json).
+
+Every row times, in one process and on the same inputs (x.T as M-major A, dy as N-major B,
+BF16 output): gwgrad, `torch._grouped_mm`, a per-expert `torch.mm` loop, and one dense
+cuBLAS GEMM of equal FLOPs (hidden x intermediate x tokens_sum) as the ceiling. CUDA events,
+warm-up, median of many runs; randn data. The table is printed and saved as JSON (and a PNG
+plot when matplotlib is there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_SHAPES = os.path.join(HERE, "bench_shapes.json")
+
+
+# ----------------------------------------------------------------------------------------
+# token distributions
+# ----------------------------------------------------------------------------------------
+
+
+def token_counts(tokens_sum: int, num_experts: int, dist: str, multiple: int = 256) -> List[int]:
+    """Per-expert counts summing to tokens_sum. `uniform`: equal; `zipf`: weights
+    1/rank^1.2 in a fixed random order (seed 0). Counts are multiples of `multiple`."""
+    import random
+
+    if dist == "uniform":
+        weights = [1.0] * num_experts
+    elif dist == "zipf":
+        weights = [1.0 / (r + 1) ** 1.2 for r in range(num_experts)]
+        random.Random(0).shuffle(weights)
+    else:
+        raise ValueError(f"dist: expected 'uniform' or 'zipf', got {dist!r}")
+    total_w = sum(weights)
+    units = tokens_sum // multiple
+    counts = [int(units * w / total_w) for w in weights]
+    # Hand the remainder to the largest experts so the sum is exact.
+    rest = units - sum(counts)
+    for i in sorted(range(num_experts), key=lambda i: -weights[i])[:rest]:
+        counts[i] += 1
+    counts = [c * multiple for c in counts]
+    counts[max(range(num_experts), key=lambda i: weights[i])] += tokens_sum - sum(counts)
+    return counts
+
+
+# ----------------------------------------------------------------------------------------
+# timing
+# ----------------------------------------------------------------------------------------
+
+
+def time_cuda(fn, warmup: int = 3, reps: int = 20, min_ms: float = 200.0) -> float:
+    """Median milliseconds of `fn()` over CUDA events."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    # Size the repetition count so short kernels get enough samples.
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    once = max(start.elapsed_time(end), 1e-3)
+    reps = max(reps, min(200, int(min_ms / once)))
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        times.append((s, e))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times)
+
+
+# ----------------------------------------------------------------------------------------
+# the methods
+# ----------------------------------------------------------------------------------------
+
+
+class KernelRunner:
+    """gwgrad's kernel through the backend interface: the launch an operator makes, without the
+    API layer's per-call argument handling (so its time is the kernel's)."""
+
+    def __init__(self, a, b, offsets, out, mma_tiler_mn, accumulate=False):
+        import torch
+
+        from .backends import detect_arch, finalize_spec
+        from .backends.base import LaunchArgs
+        from .dtypes import DType
+        from .spec import StaticSpec
+        from .tensors import TensorDesc
+
+        dt = {torch.bfloat16: DType.BFLOAT16, torch.float16: DType.FLOAT16,
+              torch.float32: DType.FLOAT32, torch.int32: DType.INT32}
+
+        def desc(x):
+            return TensorDesc(x.data_ptr(), tuple(x.shape), tuple(x.stride()), dt[x.dtype],
+                              "cuda", x.device.index or 0, "torch", x)
+
+        spec = StaticSpec(
+            hidden=a.shape[0], intermediate=b.shape[1], num_experts=offsets.shape[0],
+            a_dtype=DType.BFLOAT16, b_dtype=DType.BFLOAT16, wgrad_dtype=dt[out.dtype],
+            acc_dtype=DType.FLOAT32, a_major="k" if a.stride(1) == 1 else "m",
+            b_major="k" if b.stride(0) == 1 else "n", input_order="tensor2d",
+            output_mode="dense", accumulate=accumulate, mma_tiler_mn=tuple(mma_tiler_mn),
+            cluster_shape_mn=(1, 1), sf_vec_size=16, arch=detect_arch(a.device.index or 0),
+        )
+        self.spec, self.backend = finalize_spec(spec)
+        self.compiled = self.backend.compile(self.spec)
+        self.workspace = torch.empty(self.backend.workspace_bytes(self.spec), dtype=torch.uint8,
+                                     device=a.device)
+        self.args = LaunchArgs(a=desc(a), b=desc(b), offsets=desc(offsets),
+                               tokens_sum=a.shape[1], wgrad=desc(out),
+                               stream=torch.cuda.current_stream().cuda_stream,
+                               workspace=self.workspace.data_ptr())
+
+    def __call__(self):
+        self.backend.launch(self.compiled, self.spec, self.args)
+
+
+def run_row(shape: Dict, dist: str, configs: List, multiple: int, check: bool) -> Dict:
+    import torch
+
+    m, n, e, t = shape["hidden"], shape["intermediate"], shape["num_experts"], shape["tokens_sum"]
+    counts = token_counts(t, e, dist, multiple)
+    offs = torch.tensor(_cumsum(counts), dtype=torch.int32, device="cuda")
+    torch.manual_seed(0)
+    x = torch.randn(t, m, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    a, b = x.t(), dy  # M-major A, N-major B: how a training step holds them
+    flops = 2.0 * m * n * t
+    row = {"name": shape["name"], "dist": dist, "hidden": m, "intermediate": n,
+           "num_experts": e, "tokens_sum": t, "max_count": max(counts),
+           "min_count": min(counts), "methods": {}}
+
+    def record(name, ms):
+        row["methods"][name] = {"ms": ms, "tflops": flops / ms / 1e9}
+
+    out = torch.empty(e, m, n, device="cuda", dtype=torch.bfloat16)
+    best = None
+    runners = {}
+    for cfg in configs:
+        try:
+            runner = runners[cfg] = KernelRunner(a, b, offs, out, mma_tiler_mn=cfg)
+        except (ValueError, RuntimeError) as exc:  # a tile this shape cannot use
+            row["methods"][f"gwgrad_{cfg[0]}x{cfg[1]}"] = {"error": str(exc)}
+            continue
+        ms = time_cuda(runner)
+        record(f"gwgrad_{cfg[0]}x{cfg[1]}", ms)
+        if best is None or ms < best[1]:
+            best = (cfg, ms)
+    if best is not None:
+        record("gwgrad", best[1])
+        row["gwgrad_config"] = list(best[0])
+    if check and best is not None:
+        out.fill_(float("nan"))
+        runners[best[0]]()
+        torch.cuda.synchronize()
+
+    starts = [0] + _cumsum(counts)[:-1]
+    ref_out = torch.empty_like(out)
+
+    def loop():
+        for i, (s, c) in enumerate(zip(starts, counts)):
+            torch.mm(a[:, s:s + c], b[s:s + c], out=ref_out[i])
+
+    record("torch_mm_loop", time_cuda(loop))
+    if check:
+        loop()
+        torch.cuda.synchronize()
+        err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
+        row["rel_err_vs_loop"] = err
+
+    if hasattr(torch, "_grouped_mm") and multiple % 16 == 0:
+        try:
+            gm = lambda: torch._grouped_mm(a, b, offs=offs)  # noqa: E731
+            gm()
+            record("torch_grouped_mm", time_cuda(gm))
+        except Exception as exc:  # noqa: BLE001 - record why the competitor did not run
+            row["methods"]["torch_grouped_mm"] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    dense = lambda: torch.mm(a, b)  # noqa: E731 - one GEMM with the same FLOPs
+    record("dense_cublas", time_cuda(dense))
+    meth = row["methods"]
+    for comp in ("torch_grouped_mm", "torch_mm_loop", "dense_cublas"):
+        if "ms" in meth.get("gwgrad", {}) and "ms" in meth.get(comp, {}):
+            row[f"ratio_vs_{comp}"] = meth[comp]["ms"] / meth["gwgrad"]["ms"]
+    del x, dy, out, ref_out
+    torch.cuda.empty_cache()
+    return row
+
+
+def _cumsum(xs):
+    out, s = [], 0
+    for v in xs:
+        s += v
+        out.append(s)
+    return out
+
+
+def format_table(rows: List[Dict]) -> str:
+    head = (f"{'shape':<15} {'dist':<8} {'gwgrad':>8} {'grouped_mm':>10} {'mm_loop':>8} "
+            f"{'dense':>8} {'x grouped':>9} {'x loop':>7} {'x dense':>8} {'tile':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        meth = r["methods"]
+
+        def tf(k):
+            v = meth.get(k, {}).get("tflops")
+            return f"{v:8.1f}" if v is not None else f"{'-':>8}"
+
+        def ratio(k):
+            v = r.get(f"ratio_vs_{k}")
+            return f"{v:.2f}" if v is not None else "-"
+
+        tile = "x".join(map(str, r.get("gwgrad_config", []))) or "-"
+        lines.append(
+            f"{r['name']:<15} {r['dist']:<8} {tf('gwgrad')} {tf('torch_grouped_mm'):>10} "
+            f"{tf('torch_mm_loop')} {tf('dense_cublas')} {ratio('torch_grouped_mm'):>9} "
+            f"{ratio('torch_mm_loop'):>7} {ratio('dense_cublas'):>8} {tile:>8}"
+        )
+    lines.append("(TFLOP/s; ratios are competitor time / gwgrad time: > 1 means gwgrad is faster)")
+    return "\n".join(lines)
+
+
+def plot(rows: List[Dict], path: str) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001 - the plot is optional
+        return None
+    methods = ["gwgrad", "torch_grouped_mm", "torch_mm_loop", "dense_cublas"]
+    labels = [f"{r['name']}\n{r['dist']}" for r in rows]
+    width = 0.2
+    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(rows)), 4.5))
+    for i, meth in enumerate(methods):
+        vals = [r["methods"].get(meth, {}).get("tflops", 0.0) for r in rows]
+        ax.bar([j + (i - 1.5) * width for j in range(len(rows))], vals, width, label=meth)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title("grouped weight gradient (BF16, M-major A, N-major B)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def parse_tile(s: str):
+    m, n = s.lower().split("x")
+    return (int(m), int(n))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gwgrad bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="shapes JSON (default: bundled copy)")
+    p.add_argument("--rows", default="", help="comma-separated shape names (default: all)")
+    p.add_argument("--dist", default="uniform,zipf")
+    p.add_argument("--tiles", default="128x256,128x128,256x128",
+                   help="gwgrad mma_tiler_mn values to time; the fastest is reported")
+    p.add_argument("--unrounded", action="store_true",
+                   help="counts not rounded to 256 (torch._grouped_mm is skipped)")
+    p.add_argument("--no-check", action="store_true", help="skip the correctness cross-check")
+    p.add_argument("--json", default="bench_results.json")
+    p.add_argument("--plot", default="bench_results.png")
+    args = p.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: the benchmark needs one", file=sys.stderr)
+        return 2
+    with open(args.shapes) as f:
+        shapes = json.load(f)["shapes"]
+    if args.rows:
+        wanted = set(args.rows.split(","))
+        shapes = [s for s in shapes if s["name"] in wanted]
+    tiles = [parse_tile(s) for s in args.tiles.split(",") if s]
+    multiple = 8 if args.unrounded else 256
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    rows = []
+    t0 = time.time()
+    for shape in shapes:
+        for dist in args.dist.split(","):
+            row = run_row(shape, dist, tiles, multiple, not args.no_check)
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "methods"}), flush=True)
+    table = format_table(rows)
+    print(table)
+    with open(args.json, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "unrounded": args.unrounded, "rows": rows, "seconds": time.time() - t0},
+                  f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

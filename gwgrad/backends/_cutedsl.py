@@ -99,7 +99,7 @@ class CompiledGemm:
 
             _GMEM = cute.AddressSpace.gmem
         device = args.a.device_id
-        grid = min(self.cfg.num_units, _sm_count(device))
+        grid = grid_size(self.cfg, device)
         if self.spec.output_mode == "dense":
             out = make_ptr(self.out_dtype, args.wgrad.ptr, _GMEM, assumed_align=16)
         else:
@@ -115,6 +115,11 @@ class CompiledGemm:
                 grid,
                 cuda_driver.CUstream(args.stream),
             )
+
+
+def grid_size(cfg: Any, device_id: int) -> int:
+    """Persistent grid: one CTA per SM, or fewer when there are fewer units of work."""
+    return min(cfg.num_units, _sm_count(device_id))
 
 
 @functools.lru_cache(maxsize=None)

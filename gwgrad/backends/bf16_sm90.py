@@ -54,11 +54,14 @@ class Bf16Sm90Backend(Backend):
     def workspace_bytes(self, spec: StaticSpec) -> int:
         return _cutedsl.problem_config(spec, sm90_schedule(spec.mma_tiler_mn)).workspace_bytes
 
-    def compile(self, spec: StaticSpec):
+    def make_kernel(self, spec: StaticSpec):
+        """The kernel object (its `call_tensors` entry serves cutlass.jax.cutlass_call)."""
         from ..kernels.sm90_bf16 import Sm90GroupedWgrad
 
-        kernel = Sm90GroupedWgrad(_cutedsl.problem_config(spec, sm90_schedule(spec.mma_tiler_mn)))
-        return _cutedsl.compile_gemm(kernel, spec)
+        return Sm90GroupedWgrad(_cutedsl.problem_config(spec, sm90_schedule(spec.mma_tiler_mn)))
+
+    def compile(self, spec: StaticSpec):
+        return _cutedsl.compile_gemm(self.make_kernel(spec), spec)
 
     def launch(self, compiled, spec: StaticSpec, args: LaunchArgs) -> None:
         compiled.launch(args)

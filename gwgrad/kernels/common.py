@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
@@ -321,3 +322,63 @@ def output_ptr_ok(ptrs: cute.Tensor, expert: Int32) -> cutlass.Boolean:
     """Discrete mode: a null or unaligned expert address skips that expert's store."""
     p = ptrs[expert]
     return p != 0 and (p & 15) == 0
+
+
+# ----------------------------------------------------------------------------------------
+# Host entry points
+# ----------------------------------------------------------------------------------------
+
+
+def _aligned(ptr: cute.Pointer, dtype, align: int) -> cute.Pointer:
+    """`ptr` re-typed with the alignment the kernels assume (checked on the host)."""
+    return cute.make_ptr(dtype, ptr.toint(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+class GemmEntryPoints:
+    """The `@cute.jit` functions gwgrad compiles; kernels implement `launch(...)`.
+
+    `__call__` takes raw device addresses (the core's path: one compile per static spec, any
+    tokens_sum). `call_tensors` has the `(stream, *inputs, *outputs)` form of
+    `cutlass.jax.cutlass_call`, where shapes are static: A and B as the caller holds them
+    (their data pointers are all that is used), offsets, then the output (or, in discrete mode,
+    the int64 pointer array) and the uint8 workspace.
+    """
+
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        offsets_ptr: cute.Pointer,
+        c_ptr: cute.Pointer,
+        workspace_ptr: cute.Pointer,
+        tokens_sum: Int32,
+        grid_size: Int32,
+        stream: cuda.CUstream,
+    ):
+        self.launch(a_ptr, b_ptr, offsets_ptr, c_ptr, workspace_ptr, tokens_sum, grid_size, stream)
+
+    @cute.jit
+    def call_tensors(
+        self,
+        stream: cuda.CUstream,
+        a: cute.Tensor,
+        b: cute.Tensor,
+        offsets: cute.Tensor,
+        c: cute.Tensor,
+        workspace: cute.Tensor,
+        *,
+        tokens_sum: cutlass.Constexpr,
+        grid_size: cutlass.Constexpr,
+    ):
+        ab = self.cfg.cutlass_ab_dtype
+        self.launch(
+            _aligned(a.iterator, ab, 16),
+            _aligned(b.iterator, ab, 16),
+            _aligned(offsets.iterator, Int32, 4),
+            _aligned(c.iterator, c.element_type, 16),
+            _aligned(workspace.iterator, cutlass.Uint8, 128),
+            Int32(tokens_sum),
+            Int32(grid_size),
+            stream,
+        )

@@ -26,11 +26,10 @@ intermediate, E) descriptor, discrete outputs the expert's descriptor from the w
 An empty expert stores zeros, or nothing when accumulating.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: the shared-storage struct built in launch() needs
+# its annotations evaluated.
 
 from typing import Tuple
-
-import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
@@ -42,6 +41,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from .common import (
+    GemmEntryPoints,
     DESC_A,
     DESC_B,
     DESC_C,
@@ -66,8 +66,8 @@ BAR_MMA_ORDER = 3  # pingpong: + warp group (3, 4)
 BAR_EPI_ORDER = 5  # pingpong: + warp group (5, 6)
 
 
-class Sm90GroupedWgrad:
-    """One compiled kernel per ProblemConfig. Call through `__call__` (a `@cute.jit`)."""
+class Sm90GroupedWgrad(GemmEntryPoints):
+    """One compiled kernel per ProblemConfig; entry points in GemmEntryPoints."""
 
     def __init__(self, cfg: ProblemConfig):
         self.cfg = cfg
@@ -151,20 +151,10 @@ class Sm90GroupedWgrad:
             return cpasync.CopyReduceBulkTensorTileS2GOp()
         return cpasync.CopyBulkTensorTileS2GOp()
 
-    @cute.jit
-    def __call__(
-        self,
-        a_ptr: cute.Pointer,
-        b_ptr: cute.Pointer,
-        offsets_ptr: cute.Pointer,
-        c_ptr: cute.Pointer,
-        workspace_ptr: cute.Pointer,
-        tokens_sum: Int32,
-        grid_size: Int32,
-        stream: cuda.CUstream,
-    ):
-        """Launch prep + GEMM on `stream`. `c_ptr` is the dense output, or in discrete mode the
-        int64 array of per-expert output addresses."""
+    def launch(self, a_ptr, b_ptr, offsets_ptr, c_ptr, workspace_ptr, tokens_sum, grid_size, stream):
+        """Launch prep + GEMM on `stream` (traced inside the entry points of GemmEntryPoints).
+        `c_ptr` is the dense output, or in discrete mode the int64 array of per-expert output
+        addresses."""
         cfg = self.cfg
         self._setup()
         mA, mB = gemm_views(cfg, a_ptr, b_ptr, tokens_sum)

@@ -21,7 +21,9 @@ _GMEM = None  # cute.AddressSpace.gmem, bound on first use (importing the DSL is
 compile_count = 0
 
 
-def problem_config(spec: StaticSpec, schedule: str):
+def problem_config(spec: StaticSpec, schedule: str, unit_tile_m: int = 0):
+    """The kernel-side config. A unit is one cluster's tile: `unit_tile_m` is its M extent
+    when that differs from the MMA tile's (SM100 clusters; default: mma_tiler_mn[0])."""
     from ..kernels.common import ProblemConfig
 
     return ProblemConfig(
@@ -35,7 +37,7 @@ def problem_config(spec: StaticSpec, schedule: str):
         accumulate=spec.accumulate,
         ab_dtype=spec.a_dtype.value,
         c_dtype=spec.wgrad_dtype.value,
-        tile_m=spec.mma_tiler_mn[0],
+        tile_m=unit_tile_m or spec.mma_tiler_mn[0],
         tile_n=spec.mma_tiler_mn[1],
         cluster_m=spec.cluster_shape_mn[0],
         cluster_n=spec.cluster_shape_mn[1],
@@ -129,7 +131,7 @@ def _sm_count(device_id: int) -> int:
     return gcuda.sm_count(device_id)
 
 
-def compile_gemm(kernel: Any, spec: StaticSpec) -> CompiledGemm:
+def compile_gemm(kernel: Any, spec: StaticSpec, extra_options: str = "") -> CompiledGemm:
     """Compile `kernel` (a kernel object with a `@cute.jit __call__`) for `spec.arch`."""
     global compile_count
     import cuda.bindings.driver as cuda_driver
@@ -156,7 +158,7 @@ def compile_gemm(kernel: Any, spec: StaticSpec) -> CompiledGemm:
             Int32(0),
             Int32(1),
             cuda_driver.CUstream(0),
-            options=f"--gpu-arch {spec.arch}",
+            options=f"--gpu-arch {spec.arch} {extra_options}".strip(),
         )
         compile_count += 1
     return CompiledGemm(fn, kernel.cfg, spec)

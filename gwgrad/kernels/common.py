@@ -36,6 +36,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
+from cutlass.cute.nvgpu import cpasync
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import cute as _cute_ir
 from cutlass._mlir.dialects import cute_nvgpu as _cute_nvgpu_ir
@@ -382,3 +383,68 @@ class GemmEntryPoints:
             Int32(grid_size),
             stream,
         )
+
+
+class GroupedWgradKernel(GemmEntryPoints):
+    """What the arch kernels share on the host side: the store op and the prep kernel.
+
+    Subclasses set `cfg`, `c_dtype` and `epi_tile` and implement `expert_load_atoms(a_e, b_e,
+    tiled_mma, a_smem_layout, b_smem_layout) -> (atom_a, atom_b)`: the TMA load atoms of
+    one expert's operand views (their descriptors are what the prep kernel stores).
+    """
+
+    def expert_output_tensor(self, c_e: cute.Tensor) -> cute.Tensor:
+        """An expert's (hidden, intermediate) output in the form the arch's store atom takes."""
+        return c_e
+
+    def c_store_op(self):
+        if self.cfg.accumulate:
+            return cpasync.CopyReduceBulkTensorTileS2GOp()
+        return cpasync.CopyBulkTensorTileS2GOp()
+
+    def launch_prep(self, mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, tiled_mma,
+                    a_smem_layout, b_smem_layout, epi_smem_layout, stream):
+        self.prep_kernel(
+            mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, tiled_mma,
+            a_smem_layout, b_smem_layout, epi_smem_layout, self.epi_tile,
+        ).launch(grid=(self.cfg.num_experts, 1, 1), block=(32, 1, 1), stream=stream)
+
+    @cute.kernel
+    def prep_kernel(
+        self,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        offsets: cute.Tensor,
+        tokens_sum: Int32,
+        wgrad_ptrs: cute.Tensor,
+        workspace_ptr: cute.Pointer,
+        tiled_mma: cute.TiledMma,
+        a_smem_layout: cute.ComposedLayout,
+        b_smem_layout: cute.ComposedLayout,
+        epi_smem_layout: cute.ComposedLayout,
+        epi_tile: cute.Tile,
+    ):
+        """One warp per expert: range, rank, and the expert's TMA descriptors."""
+        cfg = self.cfg
+        ws = Workspace(cfg, workspace_ptr)
+        expert = cute.arch.block_idx()[0]
+        begin, end = write_ranges_and_order(cfg, offsets, tokens_sum, ws)
+        a_e = expert_operand_view(mA, cfg.hidden, cfg.a_ragged_block, begin, end)
+        b_e = expert_operand_view(mB, cfg.intermediate, cfg.b_ragged_block, begin, end)
+        atom_a, atom_b = self.expert_load_atoms(a_e, b_e, tiled_mma, a_smem_layout, b_smem_layout)
+        cpasync.copy_tensormap(atom_a, ws.desc_ptr(expert, DESC_A))
+        cpasync.copy_tensormap(atom_b, ws.desc_ptr(expert, DESC_B))
+        if cutlass.const_expr(cfg.output_mode == "discrete"):
+            if output_ptr_ok(wgrad_ptrs, expert):
+                c_e = expert_output_view(
+                    cfg,
+                    cute.make_ptr(
+                        self.c_dtype, wgrad_ptrs[expert], cute.AddressSpace.gmem, assumed_align=16
+                    ),
+                )
+                atom_c, _ = cpasync.make_tiled_tma_atom(
+                    self.c_store_op(), self.expert_output_tensor(c_e), epi_smem_layout, epi_tile
+                )
+                cpasync.copy_tensormap(atom_c, ws.desc_ptr(expert, DESC_C))
+        # Order the descriptor writes before the GEMM kernel's tensormap-proxy reads.
+        cpasync.fence_tma_desc_release()

@@ -29,6 +29,7 @@ An empty expert stores zeros, or nothing when accumulating.
 # No `from __future__ import annotations`: the shared-storage struct built in launch() needs
 # its annotations evaluated.
 
+import os
 from typing import Tuple
 
 import cutlass
@@ -41,7 +42,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from .common import (
-    GemmEntryPoints,
+    GroupedWgradKernel,
     DESC_A,
     DESC_B,
     DESC_C,
@@ -49,16 +50,18 @@ from .common import (
     Workspace,
     decode_unit,
     dense_output_view,
-    expert_operand_view,
     expert_output_view,
     gemm_views,
     output_ptr_ok,
     tma_desc_ptr_for_copy,
-    write_ranges_and_order,
 )
 
 SMEM_CAPACITY = 232448  # 227 KiB usable per CTA on SM90
 SCHED_STAGES = 4
+# Columns of one epilogue sub-tile (rows: 128 cooperative, 64 pingpong). Fewer, larger
+# sub-tiles mean fewer barrier rounds per tile. GWGRAD_SM90_EPI_N is a tuning knob for
+# benchmarks only (operators compiled in one process share one value).
+EPI_TILE_N = int(os.environ.get("GWGRAD_SM90_EPI_N", "32"))
 
 # Named barrier ids (0 is __syncthreads).
 BAR_EPI = 1  # cooperative: both consumer groups; pingpong: + warp group (1, 2)
@@ -66,7 +69,7 @@ BAR_MMA_ORDER = 3  # pingpong: + warp group (3, 4)
 BAR_EPI_ORDER = 5  # pingpong: + warp group (5, 6)
 
 
-class Sm90GroupedWgrad(GemmEntryPoints):
+class Sm90GroupedWgrad(GroupedWgradKernel):
     """One compiled kernel per ProblemConfig; entry points in GemmEntryPoints."""
 
     def __init__(self, cfg: ProblemConfig):
@@ -121,10 +124,9 @@ class Sm90GroupedWgrad(GemmEntryPoints):
             atom_layout,
             tiler_mn=(64, cfg.tile_n),
         )
+        epi_n = min(EPI_TILE_N, cfg.tile_n)
         self.epi_tile = (
-            (min(64, cfg.tile_m), min(32, cfg.tile_n))
-            if self.pingpong
-            else (min(128, cfg.tile_m), min(32, cfg.tile_n))
+            (min(64, cfg.tile_m), epi_n) if self.pingpong else (min(128, cfg.tile_m), epi_n)
         )
         ab_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * self.ab_dtype.width // 8
         c_bytes = self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8
@@ -145,11 +147,6 @@ class Sm90GroupedWgrad(GemmEntryPoints):
             self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage
         )
         self.tma_bytes = ab_bytes
-
-    def _c_store_op(self):
-        if self.cfg.accumulate:
-            return cpasync.CopyReduceBulkTensorTileS2GOp()
-        return cpasync.CopyBulkTensorTileS2GOp()
 
     def launch(self, a_ptr, b_ptr, offsets_ptr, c_ptr, workspace_ptr, tokens_sum, grid_size, stream):
         """Launch prep + GEMM on `stream` (traced inside the entry points of GemmEntryPoints).
@@ -181,13 +178,13 @@ class Sm90GroupedWgrad(GemmEntryPoints):
                 cute.recast_ptr(c_ptr, dtype=Int64), cute.make_layout(cfg.num_experts)
             )
         tma_atom_c, tma_tensor_c = cpasync.make_tiled_tma_atom(
-            self._c_store_op(), mC, epi_smem_layout, self.epi_tile
+            self.c_store_op(), mC, epi_smem_layout, self.epi_tile
         )
 
-        self.prep_kernel(
-            mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr,
-            a_smem_layout, b_smem_layout, epi_smem_layout,
-        ).launch(grid=(cfg.num_experts, 1, 1), block=(32, 1, 1), stream=stream)
+        self.launch_prep(
+            mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, self.tiled_mma,
+            a_smem_layout, b_smem_layout, epi_smem_layout, stream,
+        )
 
         @cute.struct
         class SharedStorage:
@@ -217,49 +214,18 @@ class Sm90GroupedWgrad(GemmEntryPoints):
         )
 
     # ------------------------------------------------------------------------------------
-    # prep kernel: ranges, longest-first order, counter, per-expert descriptors
+    # prep kernel hooks (the kernel itself is GroupedWgradKernel.prep_kernel)
     # ------------------------------------------------------------------------------------
-    @cute.kernel
-    def prep_kernel(
-        self,
-        mA: cute.Tensor,
-        mB: cute.Tensor,
-        offsets: cute.Tensor,
-        tokens_sum: Int32,
-        wgrad_ptrs: cute.Tensor,
-        workspace_ptr: cute.Pointer,
-        a_smem_layout: cute.ComposedLayout,
-        b_smem_layout: cute.ComposedLayout,
-        epi_smem_layout: cute.ComposedLayout,
-    ):
+    @cute.jit
+    def expert_load_atoms(self, a_e, b_e, tiled_mma, a_smem_layout, b_smem_layout):
         cfg = self.cfg
-        ws = Workspace(cfg, workspace_ptr)
-        expert = cute.arch.block_idx()[0]
-        begin, end = write_ranges_and_order(cfg, offsets, tokens_sum, ws)
-        a_e = expert_operand_view(mA, cfg.hidden, cfg.a_ragged_block, begin, end)
         atom_a, _ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), a_e, a_smem_layout, (cfg.tile_m, cfg.tile_k)
         )
-        cpasync.copy_tensormap(atom_a, ws.desc_ptr(expert, DESC_A))
-        b_e = expert_operand_view(mB, cfg.intermediate, cfg.b_ragged_block, begin, end)
         atom_b, _ = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), b_e, b_smem_layout, (cfg.tile_n, cfg.tile_k)
         )
-        cpasync.copy_tensormap(atom_b, ws.desc_ptr(expert, DESC_B))
-        if cutlass.const_expr(cfg.output_mode == "discrete"):
-            if output_ptr_ok(wgrad_ptrs, expert):
-                c_e = expert_output_view(
-                    cfg,
-                    cute.make_ptr(
-                        self.c_dtype, wgrad_ptrs[expert], cute.AddressSpace.gmem, assumed_align=16
-                    ),
-                )
-                atom_c, _ = cpasync.make_tiled_tma_atom(
-                    self._c_store_op(), c_e, epi_smem_layout, self.epi_tile
-                )
-                cpasync.copy_tensormap(atom_c, ws.desc_ptr(expert, DESC_C))
-        # Order the descriptor writes before the GEMM kernel's tensormap-proxy reads.
-        cpasync.fence_tma_desc_release()
+        return atom_a, atom_b
 
     # ------------------------------------------------------------------------------------
     # GEMM kernel

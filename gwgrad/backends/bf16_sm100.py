@@ -1,0 +1,48 @@
+"""BF16 backend for the Blackwell SM100 family: the tcgen05 + TMEM kernel of
+kernels/sm100_bf16.py (dynamic persistent scheduling through cluster launch control)."""
+
+from __future__ import annotations
+
+from ..spec import StaticSpec
+from . import _cutedsl
+from .base import Backend, LaunchArgs
+
+
+def _config(spec: StaticSpec):
+    from ..kernels.sm100_bf16 import sm100_cta_tile_m
+
+    unit_m = sm100_cta_tile_m(spec.mma_tiler_mn) * spec.cluster_shape_mn[0]
+    return _cutedsl.problem_config(spec, "sm100", unit_tile_m=unit_m)
+
+
+class Bf16Sm100Backend(Backend):
+    name = "bf16_sm100"
+
+    def default_tiling(self, spec: StaticSpec):
+        # The Blackwell examples' workhorse: a 256-row 2-CTA MMA on a (2, 1) cluster; its two
+        # 256-column accumulators fill the 512 TMEM columns. Narrow outputs take 128 columns.
+        if spec.intermediate <= 128:
+            return (256, 128), (2, 1)
+        return (256, 256), (2, 1)
+
+    def check_support(self, spec: StaticSpec) -> None:
+        _cutedsl.check_bf16_spec(spec)
+        from ..kernels.sm100_bf16 import Sm100GroupedWgrad, check_sm100_tiling
+
+        check_sm100_tiling(tuple(spec.mma_tiler_mn), tuple(spec.cluster_shape_mn))
+        Sm100GroupedWgrad(_config(spec), tuple(spec.mma_tiler_mn))
+
+    def workspace_bytes(self, spec: StaticSpec) -> int:
+        return _config(spec).workspace_bytes
+
+    def make_kernel(self, spec: StaticSpec):
+        """The kernel object (its `call_tensors` entry serves cutlass.jax.cutlass_call)."""
+        from ..kernels.sm100_bf16 import Sm100GroupedWgrad
+
+        return Sm100GroupedWgrad(_config(spec), tuple(spec.mma_tiler_mn))
+
+    def compile(self, spec: StaticSpec):
+        return _cutedsl.compile_gemm(self.make_kernel(spec), spec)
+
+    def launch(self, compiled, spec: StaticSpec, args: LaunchArgs) -> None:
+        compiled.launch(args)

@@ -1,0 +1,627 @@
+"""Blackwell (SM100 family) grouped weight-gradient GEMM: W[e] = A[:, tokens_e] @ B[tokens_e, :].
+
+Work decomposition: units of (expert, cluster m-tile, n-tile) in the longest-first order of
+kernels/common.py, whose prep kernel (shared with SM90) writes the per-expert token ranges and
+TMA descriptors before this kernel runs. The grid has one cluster per unit; cluster launch
+control (CLC) turns it into a dynamic persistent schedule: a running cluster cancels the next
+not-yet-launched cluster and takes its unit, so clusters that drew short units take more of
+them and the hot experts' long units, handed out first, do not leave SMs idle at the end.
+
+Warp roles (224 threads per CTA), as in the CuTe DSL Blackwell examples
+(dense_gemm_persistent_dynamic.py for CLC, moe/torch_grouped_mm.py for the 2Dx2D wgrad):
+  warp 6    scheduler (first CTA of the cluster): issues the CLC queries; every other warp
+            reads each response from its own shared memory (multicast to the cluster).
+  warp 5    TMA: loads the unit's A (tile_m x 64) and B (tile_n x 64) K-blocks through the
+            expert's descriptors (TMA zero-fills past the expert's last token), multicast
+            within the cluster where the tile is shared.
+  warp 4    MMA: tcgen05.mma into a double-buffered TMEM accumulator (2 x tile_n columns), so
+            the epilogue of one unit overlaps the mainloop of the next; with a 256-row tile the
+            two CTAs of a cluster pair run one 2-CTA MMA (cta_group::2), the leader issuing it.
+  warps 0-3 epilogue: TMEM -> registers -> output dtype -> shared memory -> TMA store, or TMA
+            reduce-add when accumulating; dense outputs through one (hidden, intermediate, E)
+            descriptor, discrete outputs through the expert's descriptor. An empty expert
+            stores zeros, or nothing when accumulating.
+
+Pipelines: ab (TMA -> UMMA, transaction mbarriers), acc (UMMA -> epilogue, TMEM stages), clc
+(CLC response -> every warp), and the epilogue's TMA store groups.
+
+What was checked without Blackwell hardware: every configuration compiles for sm_100a and its
+PTX holds tcgen05.mma, tcgen05.alloc, cp.async.bulk.tensor (and the reduce form when
+accumulating); the unit order, the per-expert ranges and descriptor building, the epilogue
+decisions and the argument plumbing are the code the SM90 kernel runs on the H200.
+"""
+
+# No `from __future__ import annotations`: the shared-storage struct built in launch() needs
+# its annotations evaluated.
+
+from typing import Tuple
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Int32, Int64
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+from cutlass.memory import TmemAllocator
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.utils.gemm.sm100 import (
+    epilogue_smem_copy_and_partition,
+    epilogue_tmem_copy_and_partition,
+    transform_partitioned_tensor_layout,
+)
+
+from .common import (
+    DESC_A,
+    DESC_B,
+    DESC_C,
+    GroupedWgradKernel,
+    ProblemConfig,
+    Workspace,
+    decode_unit,
+    dense_output_view,
+    expert_output_view,
+    gemm_views,
+    output_ptr_ok,
+    tma_desc_ptr_for_copy,
+)
+
+SMEM_CAPACITY = 232448  # 227 KiB per CTA on SM100
+CLC_RESPONSE_BYTES = 16
+
+EPILOGUE_WARPS = (0, 1, 2, 3)
+MMA_WARP = 4
+TMA_WARP = 5
+SCHED_WARP = 6
+BAR_EPI = 1
+BAR_TMEM_ALLOC = 2
+
+
+def sm100_cta_tile_m(mma_tiler_mn: Tuple[int, int]) -> int:
+    """Rows of one CTA's share of an MMA tile (a 256-row tile spans a CTA pair)."""
+    return mma_tiler_mn[0] // (2 if mma_tiler_mn[0] == 256 else 1)
+
+
+def check_sm100_tiling(mma_tiler_mn: Tuple[int, int], cluster_shape_mn: Tuple[int, int]) -> None:
+    m, n = mma_tiler_mn
+    cm, cn = cluster_shape_mn
+    if m not in (128, 256):
+        raise ValueError(f"mma_tiler_mn: tile M must be 128 or 256 on SM100, got {m}")
+    if n < 64 or n > 256 or n % 32 != 0:
+        raise ValueError(f"mma_tiler_mn: tile N must be a multiple of 32 in [64, 256], got {n}")
+    if cn != 1 or cm not in (1, 2, 4):
+        raise ValueError(
+            f"cluster_shape_mn: expected (1, 1), (2, 1) or (4, 1) (clusters along M), got {(cm, cn)}"
+        )
+    if m == 256 and cm % 2 != 0:
+        raise ValueError(
+            f"cluster_shape_mn: a 256-row tile runs as a 2-CTA MMA and needs an even cluster M, got {(cm, cn)}"
+        )
+
+
+class Sm100GroupedWgrad(GroupedWgradKernel):
+    """One compiled kernel per ProblemConfig (its tile_m is the cluster's M extent)."""
+
+    def __init__(self, cfg: ProblemConfig, mma_tiler_mn: Tuple[int, int]):
+        check_sm100_tiling(mma_tiler_mn, (cfg.cluster_m, cfg.cluster_n))
+        if cfg.tile_m != sm100_cta_tile_m(mma_tiler_mn) * cfg.cluster_m or cfg.tile_n != mma_tiler_mn[1]:
+            raise ValueError("internal: the unit tile must be the cluster's tile")
+        self.cfg = cfg
+        self.mma_tiler_mn = tuple(mma_tiler_mn)
+        self.use_2cta_instrs = mma_tiler_mn[0] == 256
+        self.cluster_shape_mn = (cfg.cluster_m, cfg.cluster_n)
+        self.acc_dtype = cutlass.Float32
+        self.ab_dtype = cfg.cutlass_ab_dtype
+        self.c_dtype = cfg.cutlass_c_dtype
+        self.cta_group = tcgen05.CtaGroup.TWO if self.use_2cta_instrs else tcgen05.CtaGroup.ONE
+        self.threads_per_cta = 32 * (len(EPILOGUE_WARPS) + 3)
+        self.num_acc_stage = 2
+        self.arch = "sm_100"
+
+    # ------------------------------------------------------------------------------------
+    # host side
+    # ------------------------------------------------------------------------------------
+    def _setup(self):
+        cfg = self.cfg
+        self.a_major_mode = OperandMajorMode.K if cfg.a_major == "k" else OperandMajorMode.MN
+        self.b_major_mode = OperandMajorMode.K if cfg.b_major == "k" else OperandMajorMode.MN
+        self.c_layout = utils.LayoutEnum.ROW_MAJOR
+        tiled_mma = sm100_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, self.a_major_mode, self.b_major_mode,
+            self.acc_dtype, self.cta_group, self.mma_tiler_mn,
+        )
+        mma_inst_k = cute.size(tiled_mma.shape_mnk, mode=[2])
+        self.mma_tiler = (*self.mma_tiler_mn, mma_inst_k * 4)
+        if self.mma_tiler[2] != cfg.tile_k:
+            raise ValueError("internal: the K block must be 64 BF16 elements")
+        atom_thr = cute.size(tiled_mma.thr_id.shape)
+        self.cta_tile_shape_mnk = (self.mma_tiler[0] // atom_thr, self.mma_tiler[1], self.mma_tiler[2])
+        self.cluster_layout_vmnk = cute.tiled_divide(
+            cute.make_layout((*self.cluster_shape_mn, 1)), (tiled_mma.thr_id.shape,)
+        )
+        # The same shape as plain ints, usable inside any kernel region (the prep kernel).
+        self.cluster_shape_vmnk = (
+            atom_thr, self.cluster_shape_mn[0] // atom_thr, self.cluster_shape_mn[1], 1
+        )
+        self.num_mcast_ctas_a = cute.size(self.cluster_layout_vmnk.shape[2])
+        self.num_mcast_ctas_b = cute.size(self.cluster_layout_vmnk.shape[1])
+        self.is_a_mcast = self.num_mcast_ctas_a > 1
+        self.is_b_mcast = self.num_mcast_ctas_b > 1
+        self.epi_tile = sm100_utils.compute_epilogue_tile_shape(
+            self.cta_tile_shape_mnk, self.use_2cta_instrs, self.c_layout, self.c_dtype
+        )
+        # Stages: 2 epilogue buffers, the rest of shared memory to the A/B ring.
+        c_smem_one = sm100_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 1)
+        a_one = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
+        b_one = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
+        ab_bytes = cute.size_in_bytes(self.ab_dtype, a_one) + cute.size_in_bytes(self.ab_dtype, b_one)
+        c_bytes = cute.size_in_bytes(self.c_dtype, c_smem_one)
+        reserved = 1024
+        self.num_c_stage = 2
+        self.num_ab_stage = (SMEM_CAPACITY - reserved - self.num_c_stage * c_bytes) // ab_bytes
+        self.num_c_stage += (
+            SMEM_CAPACITY - reserved - self.num_ab_stage * ab_bytes - self.num_c_stage * c_bytes
+        ) // c_bytes
+        self.a_smem_layout_staged = sm100_utils.make_smem_layout_a(
+            tiled_mma, self.mma_tiler, self.ab_dtype, self.num_ab_stage
+        )
+        self.b_smem_layout_staged = sm100_utils.make_smem_layout_b(
+            tiled_mma, self.mma_tiler, self.ab_dtype, self.num_ab_stage
+        )
+        self.c_smem_layout_staged = sm100_utils.make_smem_layout_epi(
+            self.c_dtype, self.c_layout, self.epi_tile, self.num_c_stage
+        )
+        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+        self.num_tmem_alloc_cols = sm100_utils.get_num_tmem_alloc_cols(tCtAcc_fake)
+        a_copy = cute.size_in_bytes(self.ab_dtype, cute.slice_(self.a_smem_layout_staged, (None, None, None, 0)))
+        b_copy = cute.size_in_bytes(self.ab_dtype, cute.slice_(self.b_smem_layout_staged, (None, None, None, 0)))
+        self.num_tma_load_bytes = (a_copy + b_copy) * atom_thr
+        return tiled_mma
+
+    def _load_ops(self, tiled_mma):
+        a_op = sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_shape_mn, tiled_mma.thr_id)
+        b_op = sm100_utils.cluster_shape_to_tma_atom_B(self.cluster_shape_mn, tiled_mma.thr_id)
+        return a_op, b_op
+
+    @staticmethod
+    def _with_batch_mode(t: cute.Tensor) -> cute.Tensor:
+        """(rows, tokens) -> (rows, tokens, 1): the MNKL form the SM100 helpers take."""
+        return cute.make_tensor(
+            t.iterator, cute.make_layout((*t.shape, 1), stride=(*t.stride, 0))
+        )
+
+    def launch(self, a_ptr, b_ptr, offsets_ptr, c_ptr, workspace_ptr, tokens_sum, grid_size, stream):
+        """Prep + GEMM on `stream`. `grid_size` is unused: CLC needs one cluster per unit."""
+        cfg = self.cfg
+        tiled_mma = self._setup()
+        mA2, mB2 = gemm_views(cfg, a_ptr, b_ptr, tokens_sum)
+        mA, mB = self._with_batch_mode(mA2), self._with_batch_mode(mB2)
+        offsets = cute.make_tensor(offsets_ptr, cute.make_layout(cfg.num_experts))
+        a_smem_layout = cute.slice_(self.a_smem_layout_staged, (None, None, None, 0))
+        b_smem_layout = cute.slice_(self.b_smem_layout_staged, (None, None, None, 0))
+        epi_smem_layout = cute.select(self.c_smem_layout_staged, mode=[0, 1])
+        a_op, b_op = self._load_ops(tiled_mma)
+        tma_atom_a, tma_tensor_a = cute.nvgpu.make_tiled_tma_atom_A(
+            a_op, mA, a_smem_layout, self.mma_tiler, tiled_mma, self.cluster_shape_vmnk
+        )
+        tma_atom_b, tma_tensor_b = cute.nvgpu.make_tiled_tma_atom_B(
+            b_op, mB, b_smem_layout, self.mma_tiler, tiled_mma, self.cluster_shape_vmnk
+        )
+        if cutlass.const_expr(cfg.output_mode == "dense"):
+            mC = dense_output_view(cfg, c_ptr)
+            wgrad_ptrs = cute.make_tensor(
+                cute.recast_ptr(workspace_ptr, dtype=Int64), cute.make_layout(1)
+            )
+        else:
+            # Only types and coordinates come from this atom: every store uses an expert's
+            # descriptor from the workspace.
+            mC = self._with_batch_mode(
+                expert_output_view(cfg, cute.recast_ptr(workspace_ptr, dtype=self.c_dtype))
+            )
+            wgrad_ptrs = cute.make_tensor(
+                cute.recast_ptr(c_ptr, dtype=Int64), cute.make_layout(cfg.num_experts)
+            )
+        tma_atom_c, tma_tensor_c = cpasync.make_tiled_tma_atom(
+            self.c_store_op(), mC, epi_smem_layout, self.epi_tile
+        )
+
+        self.launch_prep(
+            mA2, mB2, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, tiled_mma,
+            a_smem_layout, b_smem_layout, epi_smem_layout, stream,
+        )
+        cluster_size = cfg.cluster_m * cfg.cluster_n
+        self.kernel(
+            tiled_mma, tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c,
+            tma_tensor_c, wgrad_ptrs, workspace_ptr, self.cluster_layout_vmnk,
+            self.a_smem_layout_staged, self.b_smem_layout_staged, self.c_smem_layout_staged,
+            self.epi_tile,
+        ).launch(
+            grid=(cfg.num_units * cluster_size, 1, 1),
+            block=(self.threads_per_cta, 1, 1),
+            cluster=(*self.cluster_shape_mn, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    def expert_output_tensor(self, c_e):
+        return self._with_batch_mode(c_e)
+
+    @cute.jit
+    def expert_load_atoms(self, a_e, b_e, tiled_mma, a_smem_layout, b_smem_layout):
+        a_op, b_op = self._load_ops(tiled_mma)
+        atom_a, _ = cute.nvgpu.make_tiled_tma_atom_A(
+            a_op, self._with_batch_mode(a_e), a_smem_layout, self.mma_tiler, tiled_mma,
+            self.cluster_shape_vmnk,
+        )
+        atom_b, _ = cute.nvgpu.make_tiled_tma_atom_B(
+            b_op, self._with_batch_mode(b_e), b_smem_layout, self.mma_tiler, tiled_mma,
+            self.cluster_shape_vmnk,
+        )
+        return atom_a, atom_b
+
+    # ------------------------------------------------------------------------------------
+    # GEMM kernel
+    # ------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        tma_atom_a: cute.CopyAtom,
+        mA_coord: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB_coord: cute.Tensor,
+        tma_atom_c: cute.CopyAtom,
+        mC_coord: cute.Tensor,
+        wgrad_ptrs: cute.Tensor,
+        workspace_ptr: cute.Pointer,
+        cluster_layout_vmnk: cute.Layout,
+        a_smem_layout_staged: cute.ComposedLayout,
+        b_smem_layout_staged: cute.ComposedLayout,
+        c_smem_layout_staged: cute.ComposedLayout,
+        epi_tile: cute.Tile,
+    ):
+        cfg = self.cfg
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        use_2cta_instrs = cute.size(tiled_mma.thr_id.shape) == 2
+        atom_thr = cute.size(tiled_mma.thr_id.shape)
+        ws = Workspace(cfg, workspace_ptr)
+
+        bidx, _, _ = cute.arch.block_idx()
+        mma_tile_coord_v = bidx % atom_thr
+        is_leader_cta = mma_tile_coord_v == 0
+        cta_rank_in_cluster = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        is_first_cta_in_cluster = cta_rank_in_cluster == 0
+        block_in_cluster_coord_vmnk = cluster_layout_vmnk.get_flat_coord(cta_rank_in_cluster)
+        cta_m_in_cluster = cta_rank_in_cluster % cfg.cluster_m
+
+        @cute.struct
+        class SharedStorage:
+            ab_full_mbar_ptr: cute.struct.MemRange[Int64, self.num_ab_stage * 2]
+            acc_full_mbar_ptr: cute.struct.MemRange[Int64, self.num_acc_stage * 2]
+            clc_mbar_ptr: cute.struct.MemRange[Int64, 2]
+            clc_response: cute.struct.Align[cute.struct.MemRange[Int32, 4], CLC_RESPONSE_BYTES]
+            tmem_dealloc_mbar: Int64
+            tmem_holding_buf: Int32
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+
+        ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ab_full_mbar_ptr.data_ptr(),
+            num_stages=self.num_ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.num_mcast_ctas_a + self.num_mcast_ctas_b - 1
+            ),
+            tx_count=self.num_tma_load_bytes,
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        ).make_participants()
+        acc_pipeline = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_full_mbar_ptr.data_ptr(),
+            num_stages=self.num_acc_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 32 * len(EPILOGUE_WARPS) * (2 if use_2cta_instrs else 1)
+            ),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        cluster_size = cute.size(cluster_layout_vmnk)
+        clc_pipeline = pipeline.PipelineClcFetchAsync.create(
+            barrier_storage=storage.clc_mbar_ptr.data_ptr(),
+            num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # The scheduler warp of the first CTA, plus TMA, MMA and epilogue warps of every CTA.
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 32 * (1 + cluster_size * (2 + len(EPILOGUE_WARPS)))
+            ),
+            tx_count=CLC_RESPONSE_BYTES,
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        tmem = TmemAllocator(
+            storage.tmem_holding_buf.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(
+                barrier_id=BAR_TMEM_ALLOC, num_threads=32 * (1 + len(EPILOGUE_WARPS))
+            ),
+            allocator_warp_id=EPILOGUE_WARPS[0],
+            is_two_cta=use_2cta_instrs,
+            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
+        )
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
+
+        sA = smem.allocate_tensor(
+            element_type=self.ab_dtype, layout=a_smem_layout_staged.outer,
+            byte_alignment=128, swizzle=a_smem_layout_staged.inner,
+        )
+        sB = smem.allocate_tensor(
+            element_type=self.ab_dtype, layout=b_smem_layout_staged.outer,
+            byte_alignment=128, swizzle=b_smem_layout_staged.inner,
+        )
+        a_mcast_mask = None
+        b_mcast_mask = None
+        if cutlass.const_expr(self.is_a_mcast or self.is_b_mcast or self.use_2cta_instrs):
+            a_mcast_mask = cpasync.create_tma_multicast_mask(
+                cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=2
+            )
+            b_mcast_mask = cpasync.create_tma_multicast_mask(
+                cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=1
+            )
+        tCrA = tiled_mma.make_fragment_A(sA)
+        tCrB = tiled_mma.make_fragment_B(sB)
+        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+        thr_mma = tiled_mma.get_slice(mma_tile_coord_v)
+        a_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape)
+        b_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape)
+
+        clc_response_ptr = storage.clc_response.data_ptr()
+        clc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
+
+        # Every warp starts with its cluster's own unit.
+        unit = bidx // cluster_size
+        valid = cutlass.Boolean(True)
+
+        # ---------------- scheduler warp: CLC queries ----------------
+        if warp_idx == SCHED_WARP:
+            if is_first_cta_in_cluster:
+                clc_prod = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.ProducerConsumer, 1
+                )
+                while valid:
+                    clc_pipeline.producer_acquire(clc_prod)
+                    with cute.arch.elect_one():
+                        cute.arch.issue_clc_query(
+                            clc_pipeline.producer_get_barrier(clc_prod), clc_response_ptr
+                        )
+                    clc_prod.advance()
+                    clc_pipeline.consumer_wait(clc_state)
+                    unit, valid = self.read_clc_response(clc_response_ptr, cluster_size)
+                    clc_pipeline.consumer_release(clc_state)
+                    clc_state.advance()
+                clc_pipeline.producer_tail(clc_prod)
+
+        # ---------------- TMA warp ----------------
+        if warp_idx == TMA_WARP:
+            last_expert = Int32(-1)
+            while valid:
+                expert, unit_m, unit_n, begin, k_tiles = decode_unit(cfg, unit, ws)
+                if expert != last_expert:
+                    # Drop stale cached copies: the prep kernel rewrote them in place.
+                    cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_A))
+                    cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_B))
+                last_expert = expert
+                desc_a = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_A))
+                desc_b = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_B))
+                k0 = begin
+                if cutlass.const_expr(cfg.a_ragged_block):
+                    k0 = Int32(0)
+                kb0 = begin
+                if cutlass.const_expr(cfg.b_ragged_block):
+                    kb0 = Int32(0)
+                gA = cute.local_tile(
+                    cute.domain_offset((0, k0, 0), mA_coord),
+                    cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None),
+                )
+                gB = cute.local_tile(
+                    cute.domain_offset((0, kb0, 0), mB_coord),
+                    cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None),
+                )
+                tAsA, tAgA = cpasync.tma_partition(
+                    tma_atom_a, block_in_cluster_coord_vmnk[2], a_cta_layout,
+                    cute.group_modes(sA, 0, 3), cute.group_modes(thr_mma.partition_A(gA), 0, 3),
+                )
+                tBsB, tBgB = cpasync.tma_partition(
+                    tma_atom_b, block_in_cluster_coord_vmnk[1], b_cta_layout,
+                    cute.group_modes(sB, 0, 3), cute.group_modes(thr_mma.partition_B(gB), 0, 3),
+                )
+                mma_m = (unit_m * cfg.cluster_m + cta_m_in_cluster) // atom_thr
+                tAgA_slice = tAgA[(None, mma_m, None, 0)]
+                tBgB_slice = tBgB[(None, unit_n, None, 0)]
+
+                ab_producer.reset()
+                peek = ab_producer.try_acquire()
+                for k_tile in cutlass.range(0, k_tiles, 1, unroll=1):
+                    handle = ab_producer.acquire_and_advance(peek)
+                    cute.copy(
+                        tma_atom_a, tAgA_slice[(None, handle.count)], tAsA[(None, handle.index)],
+                        tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_a, mcast_mask=a_mcast_mask,
+                    )
+                    cute.copy(
+                        tma_atom_b, tBgB_slice[(None, handle.count)], tBsB[(None, handle.index)],
+                        tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_b, mcast_mask=b_mcast_mask,
+                    )
+                    peek = cutlass.Boolean(1)
+                    if handle.count + 1 < k_tiles:
+                        peek = ab_producer.try_acquire()
+
+                clc_pipeline.consumer_wait(clc_state)
+                unit, valid = self.read_clc_response(clc_response_ptr, cluster_size)
+                clc_pipeline.consumer_release(clc_state)
+                clc_state.advance()
+            ab_producer.tail()
+
+        # ---------------- MMA warp ----------------
+        if warp_idx == MMA_WARP:
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
+            acc_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.num_acc_stage
+            )
+            while valid:
+                expert, unit_m, unit_n, begin, k_tiles = decode_unit(cfg, unit, ws)
+                if is_leader_cta:
+                    tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
+                    ab_consumer.reset()
+                    peek = cutlass.Boolean(1)
+                    if k_tiles > 0:
+                        peek = ab_consumer.try_wait()
+                        acc_pipeline.producer_acquire(acc_state)
+                    for k_tile in cutlass.range(0, k_tiles, 1, unroll=1):
+                        handle = ab_consumer.wait_and_advance(peek)
+                        tiled_mma.set(tcgen05.Field.ACCUMULATE, k_tile != 0)
+                        crd = (None, None, None, handle.index)
+                        cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
+                        handle.release()
+                        peek = cutlass.Boolean(1)
+                        if handle.count + 1 < k_tiles:
+                            peek = ab_consumer.try_wait()
+                    if k_tiles > 0:
+                        acc_pipeline.producer_commit(acc_state)
+                # An empty unit produces no accumulator: both sides skip its stage.
+                if k_tiles > 0:
+                    acc_state.advance()
+
+                clc_pipeline.consumer_wait(clc_state)
+                unit, valid = self.read_clc_response(clc_response_ptr, cluster_size)
+                clc_pipeline.consumer_release(clc_state)
+                clc_state.advance()
+            acc_pipeline.producer_tail(acc_state)
+
+        sC = smem.allocate_tensor(
+            element_type=self.c_dtype, layout=c_smem_layout_staged.outer,
+            byte_alignment=128, swizzle=c_smem_layout_staged.inner,
+        )
+
+        # ---------------- epilogue warps ----------------
+        if warp_idx < MMA_WARP:
+            tmem.allocate(self.num_tmem_alloc_cols)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
+            acc_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.num_acc_stage
+            )
+            c_pipeline = pipeline.PipelineTmaStore.create(
+                num_stages=self.num_c_stage,
+                producer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, 32 * len(EPILOGUE_WARPS)
+                ),
+            )
+            epi_bar = pipeline.NamedBarrier(barrier_id=BAR_EPI, num_threads=32 * len(EPILOGUE_WARPS))
+            tCtAcc_transformed = transform_partitioned_tensor_layout(tCtAcc_base)
+            gC_mnl = cute.local_tile(
+                mC_coord, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
+            )
+            tCgC_transformed = transform_partitioned_tensor_layout(thr_mma.partition_C(gC_mnl))
+            tiled_copy_t2r, tTR_tAcc_base, tTR_rAcc = epilogue_tmem_copy_and_partition(
+                self, tidx, tCtAcc_transformed, tCgC_transformed, epi_tile, use_2cta_instrs
+            )
+            tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+            tiled_copy_r2s, tRS_rC, tRS_sC = epilogue_smem_copy_and_partition(
+                self, tiled_copy_t2r, tTR_rC, tidx, sC
+            )
+            tCgC_epi = cute.flat_divide(tCgC_transformed, epi_tile)
+            bSG_sC, bSG_gC_all = cpasync.tma_partition(
+                tma_atom_c, 0, cute.make_layout(1),
+                cute.group_modes(sC, 0, 2), cute.group_modes(tCgC_epi, 0, 2),
+            )
+            n_done = Int32(0)
+            while valid:
+                expert, unit_m, unit_n, begin, k_tiles = decode_unit(cfg, unit, ws)
+                mma_m = (unit_m * cfg.cluster_m + cta_m_in_cluster) // atom_thr
+                store = True
+                if cutlass.const_expr(cfg.accumulate):
+                    store = k_tiles > 0  # adding zeros changes nothing
+                if cutlass.const_expr(cfg.output_mode == "discrete"):
+                    store = store and output_ptr_ok(wgrad_ptrs, expert)
+                if k_tiles > 0:
+                    acc_pipeline.consumer_wait(acc_state)
+                if store:
+                    if cutlass.const_expr(cfg.output_mode == "dense"):
+                        bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, expert)]
+                        self.store_tile(
+                            tTR_tAcc_base, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc,
+                            tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, None,
+                            c_pipeline, epi_bar, warp_idx, n_done,
+                        )
+                    else:
+                        bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, 0)]
+                        if warp_idx == EPILOGUE_WARPS[0]:
+                            cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_C))
+                        desc_c = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_C))
+                        self.store_tile(
+                            tTR_tAcc_base, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc,
+                            tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, desc_c,
+                            c_pipeline, epi_bar, warp_idx, n_done,
+                        )
+                    n_done += 1
+                if k_tiles > 0:
+                    acc_pipeline.consumer_release(acc_state)
+                    acc_state.advance()
+
+                clc_pipeline.consumer_wait(clc_state)
+                unit, valid = self.read_clc_response(clc_response_ptr, cluster_size)
+                clc_pipeline.consumer_release(clc_state)
+                clc_state.advance()
+            c_pipeline.producer_tail()
+            tmem.relinquish_alloc_permit()
+            tmem.free(tmem_ptr)
+
+    # ------------------------------------------------------------------------------------
+    @cute.jit
+    def read_clc_response(self, clc_response_ptr, cluster_size: cutlass.Constexpr):
+        """The unit of the cluster this CTA's cluster just cancelled (grid x = unit * size)."""
+        m_idx, _, _, vld = cute.arch.clc_response(clc_response_ptr)
+        # The response is read through the generic proxy; the next query writes it through
+        # the async proxy.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        return m_idx // cluster_size, vld != 0
+
+    @cute.jit
+    def store_tile(
+        self, tTR_tAcc_base, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc, tiled_copy_r2s,
+        tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, desc_c, c_pipeline, epi_bar, warp_idx, n_done,
+    ):
+        """TMEM -> registers -> output dtype -> shared memory -> TMA store, sub-tile by sub-tile."""
+        tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_state.index)]
+        tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
+        bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
+        subtiles = cute.size(tTR_tAcc.shape, mode=[3])
+        first = n_done * subtiles
+        for sub in cutlass.range(subtiles):
+            acc_vec = cute.zeros_like(tiled_copy_r2s.retile(tTR_rAcc))
+            if k_tiles > 0:
+                cute.copy(tiled_copy_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
+                acc_vec = tiled_copy_r2s.retile(tTR_rAcc).load()
+            tRS_rC.store(acc_vec.to(self.c_dtype))
+            buf = (first + sub) % self.num_c_stage
+            cute.copy(tiled_copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
+            # Register -> shared writes (generic proxy) before the TMA store (async proxy).
+            cute.arch.fence_proxy("async.shared", space="cta")
+            epi_bar.arrive_and_wait()
+            if warp_idx == EPILOGUE_WARPS[0]:
+                if cutlass.const_expr(desc_c is None):
+                    cute.copy(tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, sub)])
+                else:
+                    cute.copy(
+                        tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, sub)], tma_desc_ptr=desc_c
+                    )
+                c_pipeline.producer_commit()
+                c_pipeline.producer_acquire()
+            epi_bar.arrive_and_wait()

@@ -1,0 +1,69 @@
+"""The SM100 BF16 kernel compiles for sm_100a without a GPU in every supported configuration
+(tile x cluster, and every mode on the default tile), and its PTX holds the Blackwell
+instructions it is built on: tcgen05 MMA and TMEM allocation, TMA loads, the TMA store or
+reduce-add, and cluster launch control for the dynamic schedule."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from kernel_compile import compile_ptx, spec  # noqa: E402
+
+MAJORS = [("m", "n"), ("k", "n"), ("m", "k"), ("k", "k")]
+MODES = list(itertools.product(MAJORS, ["tensor2d", "tensor_ragged"], ["dense", "discrete"],
+                               ["bfloat16", "float16", "float32"], [False, True]))
+TILINGS = ([((128, n), (c, 1)) for n in range(64, 257, 32) for c in (1, 2, 4)]
+           + [((256, n), (c, 1)) for n in range(64, 257, 32) for c in (2, 4)])
+
+
+def check_blackwell_ptx(ptx: str, accumulate: bool, two_cta: bool) -> None:
+    assert "tcgen05.mma" in ptx
+    assert "tcgen05.alloc" in ptx and "tcgen05.dealloc" in ptx
+    assert "tcgen05.ld" in ptx  # TMEM -> registers in the epilogue
+    assert "cp.async.bulk.tensor" in ptx and ".global.tile.mbarrier::complete_tx" in ptx  # TMA loads
+    assert "clusterlaunchcontrol.try_cancel" in ptx  # dynamic persistent schedule
+    assert "fence.proxy.tensormap::generic.acquire" in ptx  # per-expert descriptors
+    assert ("tcgen05.mma.cta_group::2" in ptx) == two_cta
+    if accumulate:
+        assert "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx
+    else:
+        assert "cp.reduce.async.bulk" not in ptx
+
+
+@pytest.mark.parametrize("majors,order,mode,out,acc", MODES,
+                         ids=lambda v: v if isinstance(v, str) else str(v))
+def test_every_mode_compiles(majors, order, mode, out, acc):
+    ptx = compile_ptx(spec("sm_100a", a_major=majors[0], b_major=majors[1], order=order,
+                           mode=mode, out=out, acc=acc))
+    check_blackwell_ptx(ptx, acc, two_cta=True)  # default: 256x256 on a (2, 1) cluster
+
+
+@pytest.mark.parametrize("tile,cluster", TILINGS, ids=lambda v: "x".join(map(str, v)))
+def test_every_tiling_compiles(tile, cluster):
+    ptx = compile_ptx(spec("sm_100a", tile=tile, cluster=cluster, acc=tile[1] % 64 == 0))
+    check_blackwell_ptx(ptx, tile[1] % 64 == 0, two_cta=tile[0] == 256)
+    if cluster[0] > 1:
+        assert "multicast::cluster" in ptx
+
+
+def test_sm103_compiles():
+    ptx = compile_ptx(spec("sm_103a"))
+    check_blackwell_ptx(ptx, False, two_cta=True)
+
+
+@pytest.mark.parametrize("tile,cluster,match", [
+    ((64, 128), (1, 1), "mma_tiler_mn"),
+    ((128, 48), (1, 1), "mma_tiler_mn"),
+    ((256, 128), (1, 1), "cluster_shape_mn"),  # a 2-CTA MMA needs a CTA pair
+    ((128, 128), (1, 2), "cluster_shape_mn"),
+    ((128, 128), (3, 1), "cluster_shape_mn"),
+])
+def test_unsupported_tiling_is_a_value_error(tile, cluster, match):
+    from gwgrad.backends import finalize_spec
+
+    with pytest.raises(ValueError, match=match):
+        finalize_spec(spec("sm_100a", tile=tile, cluster=cluster))

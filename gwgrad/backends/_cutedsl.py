@@ -8,6 +8,7 @@ grid size as run-time arguments: one compile serves every token count and every 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from typing import Any
 
@@ -42,6 +43,8 @@ def problem_config(spec: StaticSpec, schedule: str, unit_tile_m: int = 0):
         cluster_m=spec.cluster_shape_mn[0],
         cluster_n=spec.cluster_shape_mn[1],
         schedule=schedule,
+        # Tuning knob for benchmarks only: it is not part of the operator cache key.
+        group_m=int(os.environ.get("GWGRAD_RASTER_GROUP", "16")),
     )
 
 

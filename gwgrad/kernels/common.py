@@ -4,7 +4,8 @@ Work decomposition. The output is E stacked (hidden x intermediate) matrices; a 
 (expert, m-tile, n-tile) output tile, so there are E * tiles_m * tiles_n units, all static.
 Units are numbered expert-rank-major: rank r holds the r-th longest expert (ties by index),
 so handing units out in increasing order runs the longest tiles first, and tiles of one expert
-run side by side and share its A/B K-panels through L2. Inside an expert, n varies fastest.
+run side by side and share its A/B K-panels through L2. Inside an expert, units go in bands of
+a few m-tiles, m fastest inside a band (unit_tile_coords).
 
 Per-expert K ranges. A small *prep kernel* (one warp per expert) runs before the GEMM on the
 same stream and writes the workspace:
@@ -72,6 +73,7 @@ class ProblemConfig:
     cluster_m: int = 1
     cluster_n: int = 1
     schedule: str = "cooperative"  # SM90: "cooperative" | "pingpong"
+    group_m: int = 16  # m-tiles per raster band (see unit_tile_coords)
 
     # -- static tiling ------------------------------------------------------------------
     @property
@@ -81,6 +83,10 @@ class ProblemConfig:
     @property
     def tiles_n(self) -> int:
         return ceil_div(self.intermediate, self.tile_n)
+
+    @property
+    def raster_group(self) -> int:
+        return max(1, min(self.group_m, self.tiles_m))
 
     @property
     def tiles_per_expert(self) -> int:
@@ -253,6 +259,14 @@ def tma_desc_ptr_for_copy(raw_ptr: cute.Pointer, *, loc=None, ip=None) -> cute.P
     return _cute_ir.recast_iter(desc_ty, gptr.value)
 
 
+@dsl_user_op
+def prefetch_tma_descriptor(raw_ptr: cute.Pointer, *, loc=None, ip=None) -> None:
+    """Bring a workspace descriptor into the TMA descriptor cache ahead of its first use."""
+    llvm_ptr = raw_ptr.to_llvm_ptr(loc=loc, ip=ip)
+    generic = llvm.addrspacecast(llvm.PointerType.get(AddressSpace.generic), llvm_ptr, loc=loc, ip=ip)
+    cute.arch.prefetch(generic, tensormap=True, loc=loc, ip=ip)
+
+
 # ----------------------------------------------------------------------------------------
 # Expert ranges, schedule order, unit decoding
 # ----------------------------------------------------------------------------------------
@@ -313,9 +327,32 @@ def decode_unit(cfg: cutlass.Constexpr, unit: Int32, ws: Workspace):
     begin = ws.ranges[2 * expert]
     end = ws.ranges[2 * expert + 1]
     k_tiles = (end - begin + (cfg.tile_k - 1)) // cfg.tile_k
-    tile_m = local // cfg.tiles_n
-    tile_n = local - tile_m * cfg.tiles_n
+    tile_m, tile_n = unit_tile_coords(cfg, local)
     return expert, tile_m, tile_n, begin, k_tiles
+
+
+@cute.jit
+def unit_tile_coords(cfg: cutlass.Constexpr, local: Int32):
+    """(tile_m, tile_n) of the local-th unit of an expert.
+
+    Bands of `raster_group` m-tiles, m fastest inside a band: the ~one-per-SM units running at
+    once then cover a few rows and columns of the expert's output and share their A and B
+    K-panels through L2 (n fastest over a wide output, e.g. 112 n-tiles, would stream every B
+    panel for each row of A)."""
+    g = cfg.raster_group
+    band_size = g * cfg.tiles_n
+    band = local // band_size
+    in_band = local - band * band_size
+    if cutlass.const_expr(cfg.tiles_m % g == 0):
+        tile_n = in_band // g
+        tile_m = band * g + in_band - tile_n * g
+    else:
+        rows = Int32(g)
+        if band >= cfg.tiles_m // g:
+            rows = Int32(cfg.tiles_m % g)
+        tile_n = in_band // rows
+        tile_m = band * g + in_band - tile_n * rows
+    return tile_m, tile_n
 
 
 @cute.jit

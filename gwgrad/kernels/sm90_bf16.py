@@ -53,15 +53,18 @@ from .common import (
     expert_output_view,
     gemm_views,
     output_ptr_ok,
+    prefetch_tma_descriptor,
     tma_desc_ptr_for_copy,
+    unit_tile_coords,
 )
 
 SMEM_CAPACITY = 232448  # 227 KiB usable per CTA on SM90
 SCHED_STAGES = 4
-# Columns of one epilogue sub-tile (rows: 128 cooperative, 64 pingpong). Fewer, larger
-# sub-tiles mean fewer barrier rounds per tile. GWGRAD_SM90_EPI_N is a tuning knob for
-# benchmarks only (operators compiled in one process share one value).
-EPI_TILE_N = int(os.environ.get("GWGRAD_SM90_EPI_N", "32"))
+# Columns of one epilogue sub-tile (rows: 128 cooperative, 64 pingpong): 64 for 16-bit
+# outputs (half the barrier rounds of 32: +2-4% on the H200 benchmark rows), 32 for FP32 so
+# that the staging buffers leave four A/B stages. GWGRAD_SM90_EPI_N overrides it, a tuning
+# knob for benchmarks only (operators compiled in one process share one value).
+EPI_TILE_N_OVERRIDE = int(os.environ.get("GWGRAD_SM90_EPI_N", "0"))
 
 # Named barrier ids (0 is __syncthreads).
 BAR_EPI = 1  # cooperative: both consumer groups; pingpong: + warp group (1, 2)
@@ -124,7 +127,8 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             atom_layout,
             tiler_mn=(64, cfg.tile_n),
         )
-        epi_n = min(EPI_TILE_N, cfg.tile_n)
+        epi_n = EPI_TILE_N_OVERRIDE or (64 if self.c_dtype.width == 16 else 32)
+        epi_n = min(epi_n, cfg.tile_n)
         self.epi_tile = (
             (min(64, cfg.tile_m), epi_n) if self.pingpong else (min(128, cfg.tile_m), epi_n)
         )
@@ -311,23 +315,26 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
         grid = cute.arch.grid_dim()[0]
         unit = Int32(cute.arch.block_idx()[0])
-        last_expert = Int32(-1)
+        # Units are decoded one ahead: the next unit's counter atomic, its workspace reads and
+        # its descriptors' acquire + prefetch overlap the current unit's loads, so the TMA
+        # ring does not run dry at unit boundaries.
+        expert, tile_m, tile_n, begin, k_tiles = decode_unit(
+            cfg, cutlass.min(unit, cfg.num_units - 1), ws
+        )
+        self.acquire_descriptors(ws, expert)
         while unit < cfg.num_units:
-            expert, tile_m, tile_n, begin, k_tiles = decode_unit(cfg, unit, ws)
             self.publish(sched_pipeline, sched_state, sched_slots, unit, expert, k_tiles, lane)
             sched_state.advance()
-            # Take the next unit now: the atomic's latency hides behind this unit's loads.
             nxt = Int32(0)
             if lane == 0:
                 nxt = cute.arch.atomic_add(ws.counter.iterator, Int32(1)) + grid
             nxt = cute.arch.shuffle_sync(nxt, 0)
+            n_expert, n_tile_m, n_tile_n, n_begin, n_k_tiles = decode_unit(
+                cfg, cutlass.min(nxt, cfg.num_units - 1), ws
+            )
+            if n_expert != expert:
+                self.acquire_descriptors(ws, n_expert)
 
-            if expert != last_expert:
-                # The prep kernel rewrote these descriptors since any earlier launch that used
-                # the same workspace: drop stale copies from the TMA descriptor cache.
-                cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_A))
-                cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_B))
-            last_expert = expert
             desc_a = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_A))
             desc_b = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_B))
             k0 = begin
@@ -364,9 +371,18 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 ab_pipeline.producer_commit(ab_state)
                 ab_state.advance()
             unit = nxt
+            expert, tile_m, tile_n, begin, k_tiles = n_expert, n_tile_m, n_tile_n, n_begin, n_k_tiles
         # Tell the consumers there is no more work.
         self.publish(sched_pipeline, sched_state, sched_slots, unit, Int32(-1), Int32(0), lane)
         ab_pipeline.producer_tail(ab_state)
+
+    @cute.jit
+    def acquire_descriptors(self, ws, expert):
+        """The prep kernel rewrote the expert's descriptors in place since any earlier launch
+        that used this workspace: drop stale cached copies, then warm the descriptor cache."""
+        for slot in cutlass.range_constexpr(2):
+            cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, slot))
+            prefetch_tma_descriptor(ws.desc_ptr(expert, slot))
 
     @cute.jit
     def publish(self, sched_pipeline, sched_state, sched_slots, unit, expert, k_tiles, lane):
@@ -473,9 +489,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
 
         n_done = Int32(0)
         while expert >= 0:
-            rank_local = unit % cfg.tiles_per_expert
-            tile_m = rank_local // cfg.tiles_n
-            tile_n = rank_local - tile_m * cfg.tiles_n
+            tile_m, tile_n = unit_tile_coords(cfg, unit % cfg.tiles_per_expert)
             if cutlass.const_expr(self.pingpong):
                 mma_order_self.arrive_and_wait()
             ab_read, ab_release = self.mainloop(

@@ -9,6 +9,7 @@ its static spec, allocates missing outputs and launches. ``GroupedGemmWgradSm100
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -22,7 +23,7 @@ from .tensors import TensorDesc, as_tensor_desc
 from .validation import build_spec, check_call, check_output_stack, operand_dims
 
 __all__ = ["TupleDict", "GroupedGemmWgrad", "grouped_gemm_wgrad", "GroupedGemmWgradSm100",
-           "grouped_gemm_wgrad_wrapper_sm100", "cache_info", "clear_cache"]
+           "grouped_gemm_wgrad_wrapper_sm100", "cache_info", "clear_cache", "operator_for"]
 
 
 class TupleDict(dict):
@@ -40,6 +41,8 @@ class TupleDict(dict):
 
 _lock = threading.RLock()
 _operators: Dict[StaticSpec, "GroupedGemmWgrad"] = {}
+# The adapters' fast path: a call's static signature (see operator_for) -> its operator.
+_by_signature: Dict[tuple, "GroupedGemmWgrad"] = {}
 _counters = {"constructed": 0, "compiled": 0}
 
 
@@ -53,6 +56,7 @@ def clear_cache() -> None:
     """Forget every cached operator (the CuTe DSL's own file cache is unaffected)."""
     with _lock:
         _operators.clear()
+        _by_signature.clear()
 
 
 def _tokens_sum(spec: StaticSpec, a: TensorDesc) -> int:
@@ -171,6 +175,11 @@ class GroupedGemmWgrad:
             with _lock:
                 _counters["compiled"] += 1
 
+    @property
+    def workspace_bytes(self) -> int:
+        """Device workspace one launch needs (known once compiled; 0 for the reference)."""
+        return self._workspace_bytes
+
     def _require_compiled(self) -> None:
         if self._compiled is None:
             raise RuntimeError(f"{type(self).__name__}: call compile() before execute() / launch()")
@@ -235,7 +244,9 @@ class GroupedGemmWgrad:
         if validate and not spec.is_cpu:
             offsets_rules.check_values(spec, args.offsets, args.tokens_sum, args.wgrad_ptrs,
                                        args.stream)
-        if self._workspace_bytes:
+        # A workspace the caller allocated (an adapter, from its framework's allocator on the
+        # launch stream, as CUDA-graph capture needs) is kept; otherwise gwgrad's per-stream one.
+        if self._workspace_bytes and not args.workspace:
             args.workspace = memory.workspace(args.a.device_id, args.stream, self._workspace_bytes)
         if args.wgrad_ptrs is not None and args.wgrad_ptrs.framework == "torch":
             _record_stream(args.wgrad_ptrs, args.stream)
@@ -284,6 +295,49 @@ def _operator_for(request: StaticSpec) -> GroupedGemmWgrad:
                 op.compile()
                 _operators[spec] = op
             _operators[request] = op
+    return op
+
+
+def _signature(desc: Optional[TensorDesc]) -> Optional[tuple]:
+    # Everything build_spec reads from a tensor except its address (checked per call).
+    if desc is None:
+        return None
+    return (desc.shape, desc.strides, desc.dtype, desc.device_type, desc.device_id)
+
+
+def operator_for(
+    a: TensorDesc,
+    b: TensorDesc,
+    offsets: TensorDesc,
+    *,
+    wgrad: Optional[TensorDesc] = None,
+    wgrad_ptrs: Optional[TensorDesc] = None,
+    output_mode: str = "dense",
+    wgrad_dtype: Optional[DType] = None,
+    accumulate_on_output: bool = False,
+    input_order: str = "tensor2d",
+) -> GroupedGemmWgrad:
+    """The compiled operator for a call described by ``TensorDesc``s: the adapters' fast path.
+
+    The first call with a static signature (shapes, strides, dtypes and device of every
+    tensor, the modes, ``CUTE_DSL_ARCH``) runs the contract's full check (``build_spec``,
+    ValueError naming the argument) and finds or compiles the operator; later calls with the
+    same signature only look it up (a dict lookup instead of ~30 us of validation).
+    ``gwgrad.prepared.prepare_call`` binds the result to the call's signature for launching
+    from raw addresses.
+    """
+    key = (_signature(a), _signature(b), _signature(offsets), _signature(wgrad),
+           _signature(wgrad_ptrs), output_mode, wgrad_dtype, accumulate_on_output, input_order,
+           os.environ.get("CUTE_DSL_ARCH"))
+    op = _by_signature.get(key)
+    if op is None:
+        request = build_spec(a=a, b=b, offsets=offsets, output_mode=output_mode, wgrad=wgrad,
+                             wgrad_ptrs=wgrad_ptrs, wgrad_dtype=wgrad_dtype,
+                             accumulate=accumulate_on_output, input_order=input_order,
+                             arch=backends.detect_arch)
+        op = _operator_for(request)
+        with _lock:
+            _by_signature[key] = op
     return op
 
 

@@ -78,10 +78,18 @@ def pointer_array(stacked: TensorDesc, stream: int) -> TensorDesc:
             ptrs = torch.arange(experts, dtype=torch.int64,
                                 device=torch.device("cuda", stacked.device_id)) * step + stacked.ptr
         return as_tensor_desc(ptrs, "wgrad_ptrs")
-    host = stacked.ptr + step * np.arange(experts, dtype=np.int64)
-    address = memory.workspace(stacked.device_id, stream, host.nbytes, purpose="wgrad_ptrs")
+    return address_array(stacked.ptr + step * np.arange(experts, dtype=np.int64),
+                         stacked.device_id, stream)
+
+
+def address_array(addresses: np.ndarray, device_id: int, stream: int) -> TensorDesc:
+    """Host int64 ``addresses`` copied to a per-stream scratch buffer on CUDA device
+    ``device_id``, enqueued on ``stream``: the next call on the same stream overwrites it
+    only after this call's kernel has read it (stream order)."""
+    host = np.ascontiguousarray(addresses, dtype=np.int64)
+    address = memory.workspace(device_id, stream, host.nbytes, purpose="wgrad_ptrs")
     from . import cuda
 
-    with cuda.on_device(stacked.device_id):
+    with cuda.on_device(device_id):
         cuda.memcpy_h2d(address, host.ctypes.data, host.nbytes, stream)
-    return from_pointer(address, (experts,), (1,), DType.INT64, stacked.device_id, name="wgrad_ptrs")
+    return from_pointer(address, host.shape, (1,), DType.INT64, device_id, name="wgrad_ptrs")

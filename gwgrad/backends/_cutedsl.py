@@ -12,6 +12,7 @@ import os
 import threading
 from typing import Any
 
+from .. import cuda as _gcuda
 from ..dtypes import DType
 from ..spec import StaticSpec
 from .base import LaunchArgs
@@ -91,35 +92,76 @@ class CompiledGemm:
         self.ab_dtype = cutlass.BFloat16
         self.out_dtype = _cutlass_dtype(spec.wgrad_dtype)
         self.i32, self.i64, self.u8 = cutlass.Int32, cutlass.Int64, cutlass.Uint8
+        # device ordinal -> (PackedLauncher or None for the DSL's own call, grid size). One per
+        # device: an executor holds the kernel handles of one device's context.
+        self._launchers: dict = {}
 
-    def launch(self, args: LaunchArgs) -> None:
-        from .. import cuda as gcuda
-        import cuda.bindings.driver as cuda_driver
-
+    def _sample_pointers(self):
         from cutlass.cute.runtime import make_ptr
 
-        global _GMEM
-        if _GMEM is None:
-            import cutlass.cute as cute
+        gmem = _gmem()
+        out = self.out_dtype if self.spec.output_mode == "dense" else self.i64
+        return [make_ptr(self.ab_dtype, 0, gmem, assumed_align=16),
+                make_ptr(self.ab_dtype, 0, gmem, assumed_align=16),
+                make_ptr(self.i32, 0, gmem, assumed_align=4),
+                make_ptr(out, 0, gmem, assumed_align=16),
+                make_ptr(self.u8, 0, gmem, assumed_align=128)]
 
-            _GMEM = cute.AddressSpace.gmem
-        device = args.a.device_id
-        grid = grid_size(self.cfg, device)
-        if self.spec.output_mode == "dense":
-            out = make_ptr(self.out_dtype, args.wgrad.ptr, _GMEM, assumed_align=16)
+    def _for_device(self, device: int):
+        """(PackedLauncher or None, grid size) for ``device``, made on first use."""
+        from ._fastcall import PackedLauncher, PackingMismatch
+
+        try:
+            launcher = PackedLauncher(self.fn, 5, 2, device, self._sample_pointers())
+        except PackingMismatch:  # a DSL that marshals differently: keep its own call
+            launcher = None
+        entry = self._launchers[device] = (launcher, grid_size(self.cfg, device))
+        return entry
+
+    def launch_pointers(self, device: int, a: int, b: int, offsets: int, out: int,
+                        workspace: int, tokens_sum: int, stream: int) -> None:
+        """Launch from raw addresses (``out``: the dense output or the pointer array)."""
+        if _gcuda.current_device() == device:  # the common case: no context manager
+            self._launch_here(device, a, b, offsets, out, workspace, tokens_sum, stream)
         else:
-            out = make_ptr(self.i64, args.wgrad_ptrs.ptr, _GMEM, assumed_align=16)
-        with gcuda.on_device(device):
-            self.fn(
-                make_ptr(self.ab_dtype, args.a.ptr, _GMEM, assumed_align=16),
-                make_ptr(self.ab_dtype, args.b.ptr, _GMEM, assumed_align=16),
-                make_ptr(self.i32, args.offsets.ptr, _GMEM, assumed_align=4),
-                out,
-                make_ptr(self.u8, args.workspace, _GMEM, assumed_align=128),
-                args.tokens_sum,
-                grid,
-                cuda_driver.CUstream(args.stream),
-            )
+            with _gcuda.on_device(device):
+                self._launch_here(device, a, b, offsets, out, workspace, tokens_sum, stream)
+
+    def _launch_here(self, device, a, b, offsets, out, workspace, tokens_sum, stream):
+        entry = self._launchers.get(device)
+        launcher, grid = entry if entry is not None else self._for_device(device)
+        if launcher is not None:
+            launcher.launch_entry(a, b, offsets, out, workspace, tokens_sum, grid, stream)
+            return
+        import cuda.bindings.driver as cuda_driver
+        from cutlass.cute.runtime import make_ptr
+
+        gmem = _gmem()
+        out_dtype = self.out_dtype if self.spec.output_mode == "dense" else self.i64
+        self.fn(
+            make_ptr(self.ab_dtype, a, gmem, assumed_align=16),
+            make_ptr(self.ab_dtype, b, gmem, assumed_align=16),
+            make_ptr(self.i32, offsets, gmem, assumed_align=4),
+            make_ptr(out_dtype, out, gmem, assumed_align=16),
+            make_ptr(self.u8, workspace, gmem, assumed_align=128),
+            tokens_sum,
+            grid,
+            cuda_driver.CUstream(stream),
+        )
+
+    def launch(self, args: LaunchArgs) -> None:
+        out = args.wgrad.ptr if self.spec.output_mode == "dense" else args.wgrad_ptrs.ptr
+        self.launch_pointers(args.a.device_id, args.a.ptr, args.b.ptr, args.offsets.ptr, out,
+                             args.workspace, args.tokens_sum, args.stream)
+
+
+def _gmem():
+    global _GMEM
+    if _GMEM is None:
+        import cutlass.cute as cute
+
+        _GMEM = cute.AddressSpace.gmem
+    return _GMEM
 
 
 def grid_size(cfg: Any, device_id: int) -> int:

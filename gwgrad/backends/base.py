@@ -63,3 +63,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def launch(self, compiled: Any, spec: StaticSpec, args: LaunchArgs) -> None: ...
+
+    #: Optional fast launch for the adapters' per-call path (``gwgrad.prepared``): a backend
+    #: may define ``launch_pointers(compiled, spec, device_id, a, b, offsets, out, workspace,
+    #: tokens_sum, stream)`` taking raw addresses (``out``: the dense output, or the int64
+    #: pointer array in discrete mode) and doing what ``launch`` does with them. Without it
+    #: (None), prepared calls build ``LaunchArgs`` and call ``launch``.
+    launch_pointers = None

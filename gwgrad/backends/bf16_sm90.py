@@ -65,3 +65,7 @@ class Bf16Sm90Backend(Backend):
 
     def launch(self, compiled, spec: StaticSpec, args: LaunchArgs) -> None:
         compiled.launch(args)
+
+    def launch_pointers(self, compiled, spec: StaticSpec, device_id: int, *addresses) -> None:
+        # The adapters' per-call path (gwgrad.prepared): addresses, workspace, tokens, stream.
+        compiled.launch_pointers(device_id, *addresses)

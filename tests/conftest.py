@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# JAX would take 75% of GPU memory when first used; torch, CuPy and other pytest workers share
+# the GPU in the same run. Set before any test module imports JAX.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import gwgrad
 from gwgrad import cuda

@@ -1,0 +1,272 @@
+"""gwgrad for JAX: ``wgrad()`` under ``jax.jit``, as an XLA FFI custom call on CUDA.
+
+    import gwgrad.adapters.jax as gwj
+    w = jax.jit(gwj.wgrad)(x, dy, offsets)     # w[e] = x[tokens_e].T @ dy[tokens_e]
+
+``x`` (tokens, hidden) and ``dy`` (tokens, intermediate) are bfloat16 and row-major, as JAX
+holds them: ``x``'s buffer *is* the contract's M-major ``a_tensor = x.T`` and ``dy`` its
+N-major ``b_tensor``, so the kernel reads them in place. ``offsets`` is int32
+(num_experts,), the cumulative token counts.
+
+``wgrad`` binds one primitive with a lowering per platform, so one jitted function runs
+anywhere:
+
+* CUDA: CuTe DSL's ``cutlass.jax.cutlass_call`` with the kernel's ``call_tensors`` entry
+  (inputs x, dy, offsets and, when accumulating, the output aliased in place; outputs the
+  result and a uint8 workspace that XLA allocates). It runs on XLA's stream, may be captured
+  in CUDA graphs (XLA command buffers), works inside ``shard_map`` (each device its local
+  experts) and never synchronizes with the host. The kernel is compiled when the function is
+  lowered, for ``CUTE_DSL_ARCH`` or else the architecture of CUDA device 0 (a host's GPUs
+  are assumed alike); so lowering for CUDA works without a GPU when ``CUTE_DSL_ARCH`` is set.
+  ``tokens`` is static in JAX: each distinct token count compiles its own kernel.
+* CPU: a jnp reference with the same semantics (FP32 accumulation, one rounding; each
+  expert's range clamped to [0, tokens] like the kernel's), so jitted code also runs in
+  CPU-only tests.
+
+``grouped_linear`` is a ``jax.custom_vjp`` example: a grouped expert linear layer whose
+weight gradient is gwgrad's.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from gwgrad import backends
+from gwgrad.dtypes import as_dtype
+from gwgrad.spec import StaticSpec
+from gwgrad.tensors import TensorDesc
+from gwgrad.validation import build_spec
+
+from ._common import adapter_names, experts_hidden_intermediate
+
+__all__ = ["wgrad", "reference_wgrad", "grouped_linear", "grouped_mm"]
+
+_wgrad_p = Primitive("gwgrad_grouped_gemm_wgrad")
+
+#: SM counts assumed when lowering for an architecture without its GPU present (the grid size
+#: is compiled in; any value is correct, the device's own count is the fastest).
+_SM_COUNT_WITHOUT_GPU = {"sm_90a": 132, "sm_100a": 148, "sm_103a": 148}
+
+
+# --- the contract's check, on shapes and dtypes ---------------------------------------------
+
+def _spec(x_shape, x_dtype, dy_shape, dy_dtype, off_shape, off_dtype, out_dtype,
+          accumulate: bool, arch: str) -> StaticSpec:
+    """The static spec of a call, checked by the core (ValueError naming the argument).
+
+    The descriptors have address 0: only shapes, strides and dtypes matter here, and a JAX
+    array is row-major, so x's (tokens, hidden) buffer is A = x.T in M-major layout.
+    """
+    experts, hidden, inter = experts_hidden_intermediate(x_shape, dy_shape, off_shape)
+    tokens = int(x_shape[0])
+    with adapter_names():
+        a = TensorDesc(0, (hidden, tokens), (1, hidden), as_dtype(x_dtype, "a_tensor"), "cuda",
+                       0, "jax")
+        b = TensorDesc(0, tuple(dy_shape), (inter, 1), as_dtype(dy_dtype, "b_tensor"), "cuda",
+                       0, "jax")
+        offsets = TensorDesc(0, tuple(off_shape), (1,), as_dtype(off_dtype, "offsets_tensor"),
+                             "cuda", 0, "jax")
+        out = as_dtype(out_dtype, "wgrad_dtype")
+        wgrad = None
+        if accumulate:  # the output is an operand then: its layout is checked too
+            wgrad = TensorDesc(0, (experts, hidden, inter), (hidden * inter, inter, 1), out,
+                               "cuda", 0, "jax")
+        return build_spec(a=a, b=b, offsets=offsets, wgrad=wgrad, wgrad_dtype=out,
+                          accumulate=accumulate, arch=arch)
+
+
+# --- the primitive --------------------------------------------------------------------------
+
+def _abstract_eval(x, dy, offsets, *out, out_dtype, accumulate):
+    shape = experts_hidden_intermediate(x.shape, dy.shape, offsets.shape)
+    # Inside shard_map, the result varies over the manual axes any operand varies over.
+    vma = frozenset().union(*(getattr(v, "vma", frozenset()) for v in (x, dy, offsets, *out)))
+    try:
+        return jax.core.ShapedArray(shape, out_dtype, vma=vma)
+    except TypeError:  # a JAX without varying-manual-axes types
+        return jax.core.ShapedArray(shape, out_dtype)
+
+
+_wgrad_p.def_abstract_eval(_abstract_eval)
+try:  # eager calls (outside jit) compile the primitive alone, as JAX's own primitives do
+    from jax._src.dispatch import apply_primitive as _apply_primitive
+
+    _wgrad_p.def_impl(functools.partial(_apply_primitive, _wgrad_p))
+except ImportError:  # pragma: no cover - then only jitted calls work
+    pass
+
+
+def reference_wgrad(x, dy, offsets, out=None, *, out_dtype=jnp.bfloat16, accumulate=False):
+    """The jnp reference (the CPU lowering): FP32 accumulation, rounded once to ``out_dtype``.
+
+    Expert e covers tokens [clamp(offsets[e-1]), max(clamp(offsets[e]), begin)) with clamp to
+    [0, tokens], as the kernel reads them. One matmul per expert (``lax.map``), so memory
+    stays at one expert's masked copy of x.
+    """
+    tokens = x.shape[0]
+    end = jnp.clip(offsets, 0, tokens)
+    begin = jnp.concatenate([jnp.zeros((1,), end.dtype), end[:-1]])
+    end = jnp.maximum(end, begin)
+    t = jnp.arange(tokens, dtype=end.dtype)
+    xf, dyf = x.astype(jnp.float32), dy.astype(jnp.float32)
+
+    def one_expert(bounds):
+        lo, hi = bounds
+        rows = ((t >= lo) & (t < hi))[:, None]
+        return jnp.matmul(jnp.where(rows, xf, 0.0).T, dyf, precision=jax.lax.Precision.HIGHEST)
+
+    w = jax.lax.map(one_expert, (begin, end))
+    if accumulate:
+        w = out.astype(jnp.float32) + w
+    return w.astype(out_dtype)
+
+
+def _cpu_lowering(ctx, x, dy, offsets, *out, out_dtype, accumulate):
+    fun = functools.partial(reference_wgrad, out_dtype=out_dtype, accumulate=accumulate)
+    return mlir.lower_fun(lambda *args: fun(*args), multiple_results=False)(
+        ctx, x, dy, offsets, *out)
+
+
+def _grid_size(cfg, arch: str) -> int:
+    from gwgrad.backends import _cutedsl
+
+    try:
+        return _cutedsl.grid_size(cfg, 0)
+    except RuntimeError:  # lowering without a GPU (CUTE_DSL_ARCH set)
+        return min(cfg.num_units, _SM_COUNT_WITHOUT_GPU.get(arch, 132))
+
+
+@functools.lru_cache(maxsize=None)
+def _cutlass_call(shapes: Tuple, dtypes: Tuple, out_dtype, accumulate: bool, arch: str):
+    """The cutlass_call for one static signature (built once per process)."""
+    import cutlass.jax as cutlass_jax
+
+    if not cutlass_jax.is_available():
+        raise RuntimeError("the CuTe DSL's JAX support (cutlass.jax) is unavailable with this "
+                           f"JAX {jax.__version__}; gwgrad's JAX custom call needs it")
+    (x_shape, dy_shape, off_shape), (x_dtype, dy_dtype, off_dtype) = shapes, dtypes
+    request = _spec(x_shape, x_dtype, dy_shape, dy_dtype, off_shape, off_dtype, out_dtype,
+                    accumulate, arch)
+    spec, backend = backends.finalize_spec(request)
+    make_kernel = getattr(backend, "make_kernel", None)
+    if make_kernel is None:
+        raise RuntimeError(f"the {backend.name} backend has no JAX entry point yet "
+                           "(make_kernel)")
+    kernel = make_kernel(spec)
+    # The same compiler options as the core's compile of this spec (the kernel time must match).
+    options = getattr(backend, "compile_options", None)
+    options = options(spec) if options is not None else f"--gpu-arch {spec.arch}"
+    outputs = (jax.ShapeDtypeStruct((spec.num_experts, spec.hidden, spec.intermediate),
+                                    out_dtype),
+               jax.ShapeDtypeStruct((backend.workspace_bytes(spec),), jnp.uint8))
+    return cutlass_jax.cutlass_call(
+        kernel.call_tensors,
+        output_shape_dtype=outputs,
+        # Accumulating: the output comes in as input 3 and leaves as output 0, in place.
+        input_output_aliases={3: 0} if accumulate else None,
+        allow_cuda_graph=True,
+        compile_options=options,
+        # Skips re-tracing the kernel to find it in cutlass_call's cache: the spec (and the
+        # kernel class) determine the kernel; shapes and the constants below are added to
+        # the key by cutlass_call itself.
+        compile_key=("gwgrad", type(kernel).__module__, type(kernel).__qualname__, spec),
+        tokens_sum=int(x_shape[0]),
+        grid_size=_grid_size(kernel.cfg, spec.arch),
+    )
+
+
+def _cuda_lowering(ctx, x, dy, offsets, *out, out_dtype, accumulate):
+    avals = ctx.avals_in
+    shapes = tuple(tuple(v.shape) for v in avals[:3])
+    dtypes = tuple(np.dtype(v.dtype) for v in avals[:3])
+    call = _cutlass_call(shapes, dtypes, np.dtype(out_dtype), accumulate,
+                         backends.detect_arch(0))
+    return mlir.lower_fun(lambda *args: call(*args)[0], multiple_results=False)(
+        ctx, x, dy, offsets, *out)
+
+
+mlir.register_lowering(_wgrad_p, _cpu_lowering, platform="cpu")
+mlir.register_lowering(_wgrad_p, _cuda_lowering, platform="cuda")
+try:  # as cutlass_call's own primitive: lowering may look at the devices
+    from jax._src.dispatch import prim_requires_devices_during_lowering
+
+    prim_requires_devices_during_lowering.add(_wgrad_p)
+except ImportError:  # pragma: no cover
+    pass
+
+
+# --- the entry point ------------------------------------------------------------------------
+
+def wgrad(x, dy, offsets, *, out=None, accumulate: bool = False, out_dtype=None):
+    """``W[e] = x[begin:end].T @ dy[begin:end]`` for every expert, FP32 accumulation.
+
+    x: (tokens, hidden) bfloat16; dy: (tokens, intermediate) bfloat16; offsets: int32
+    (num_experts,). Returns a (num_experts, hidden, intermediate) array of ``out_dtype``
+    (default bfloat16). With ``accumulate=True``, returns ``out + W`` computed in place of
+    ``out`` (XLA aliases the buffer; donate ``out`` to the enclosing jit to avoid a copy).
+    Works under ``jax.jit`` (and eagerly), on CUDA and CPU; no host synchronization.
+    """
+    if accumulate and out is None:
+        raise ValueError("out: expected an initialized output to accumulate into "
+                         "(accumulate=True adds to it), got None")
+    if out is not None and not accumulate:
+        raise ValueError("out: expected None unless accumulate=True (JAX arrays are "
+                         "immutable: the result is returned), got an array")
+    if out is not None:
+        if out_dtype is not None and np.dtype(out_dtype) != np.dtype(out.dtype):
+            raise ValueError(f"out_dtype: expected None or {out.dtype} (out's dtype), got "
+                             f"{np.dtype(out_dtype)}")
+        out_dtype = out.dtype
+    out_dtype = np.dtype(jnp.bfloat16 if out_dtype is None else out_dtype)
+    x, dy, offsets = jnp.asarray(x), jnp.asarray(dy), jnp.asarray(offsets)
+    # The contract's checks at trace time, so a bad call fails where it is written.
+    _spec(x.shape, x.dtype, dy.shape, dy.dtype, offsets.shape, offsets.dtype, out_dtype,
+          accumulate, "")
+    if out is not None:
+        out = jnp.asarray(out)
+        experts, hidden, inter = experts_hidden_intermediate(x.shape, dy.shape, offsets.shape)
+        if tuple(out.shape) != (experts, hidden, inter):
+            raise ValueError(f"out: expected shape (num_experts, hidden, intermediate) = "
+                             f"{(experts, hidden, inter)}, got {tuple(out.shape)}")
+        return _wgrad_p.bind(x, dy, offsets, out, out_dtype=out_dtype, accumulate=True)
+    return _wgrad_p.bind(x, dy, offsets, out_dtype=out_dtype, accumulate=False)
+
+
+# --- example: a grouped expert linear layer whose weight gradient is gwgrad's ---------------
+
+def _group_sizes(offsets):
+    return jnp.diff(offsets, prepend=jnp.zeros((1,), offsets.dtype)).astype(jnp.int32)
+
+
+def grouped_mm(x, w, offsets):
+    """``y[tokens_e] = x[tokens_e] @ w[e]`` (``jax.lax.ragged_dot``)."""
+    return jax.lax.ragged_dot(x, w, _group_sizes(offsets))
+
+
+@jax.custom_vjp
+def grouped_linear(x, w, offsets):
+    """``y_e = x_e @ w_e`` per expert: x (tokens, hidden), w (num_experts, hidden,
+    intermediate), offsets int32. Gradients: dx with ``ragged_dot``, dw with gwgrad."""
+    return grouped_mm(x, w, offsets)
+
+
+def _grouped_linear_fwd(x, w, offsets):
+    return grouped_mm(x, w, offsets), (x, w, offsets)
+
+
+def _grouped_linear_bwd(residuals, dy):
+    x, w, offsets = residuals
+    dy = dy.astype(x.dtype)
+    dx = grouped_mm(dy, jnp.swapaxes(w, 1, 2), offsets)
+    dw = wgrad(x, dy, offsets, out_dtype=w.dtype)
+    return dx, dw, None
+
+
+grouped_linear.defvjp(_grouped_linear_fwd, _grouped_linear_bwd)

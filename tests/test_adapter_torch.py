@@ -1,0 +1,200 @@
+"""gwgrad.adapters.torch on the CPU: the ops' registration, opcheck (CPU and meta tensors),
+wgrad()'s semantics on the reference path, torch.compile, and the example autograd Function."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import gwgrad  # noqa: E402
+import gwgrad.adapters.torch as gwt  # noqa: E402
+from torch.library import opcheck  # noqa: E402
+
+HIDDEN, INTER = 32, 48
+COUNTS = [50, 0, 70, 80]  # any count >= 0 for M/N-major operands; one empty expert
+
+
+def inputs(counts=COUNTS, hidden=HIDDEN, inter=INTER, device="cpu"):
+    offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(device)
+    tokens = int(sum(counts))
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=device)
+    dy = torch.randn(tokens, inter, dtype=torch.bfloat16, device=device)
+    return x, dy, offsets
+
+
+def reference(x, dy, offsets):
+    bounds = [0] + offsets.tolist()
+    return torch.stack([x[s:e].double().T @ dy[s:e].double() for s, e in zip(bounds, bounds[1:])])
+
+
+def rel_err(got, want):
+    got = torch.stack(list(got)) if isinstance(got, (list, tuple)) else got
+    return float((got.double() - want).norm() / want.norm())
+
+
+def test_ops_are_registered_with_their_schemas():
+    schemas = {name: str(getattr(torch.ops.gwgrad, name).default._schema)
+               for name in ("grouped_gemm_wgrad", "grouped_gemm_wgrad_into",
+                            "grouped_gemm_wgrad_discrete")}
+    assert "ScalarType out_dtype) -> Tensor" in schemas["grouped_gemm_wgrad"]
+    assert "Tensor(a!) out, bool accumulate) -> ()" in schemas["grouped_gemm_wgrad_into"]
+    assert "Tensor(a!)[] outs, bool accumulate) -> ()" in schemas["grouped_gemm_wgrad_discrete"]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_opcheck(device):
+    x, dy, offsets = (t.to(device) for t in inputs())
+    e = offsets.shape[0]
+    opcheck(torch.ops.gwgrad.grouped_gemm_wgrad.default, (x, dy, offsets, torch.float32))
+    opcheck(torch.ops.gwgrad.grouped_gemm_wgrad_into.default,
+            (x, dy, offsets, torch.randn(e, HIDDEN, INTER, device=device), True))
+    opcheck(torch.ops.gwgrad.grouped_gemm_wgrad_discrete.default,
+            (x, dy, offsets, [torch.randn(HIDDEN, INTER, device=device) for _ in range(e)], False))
+
+
+def test_fake_output_shape_and_dtype():
+    x, dy, offsets = (t.to("meta") for t in inputs())
+    w = gwt.wgrad(x, dy, offsets, out_dtype=torch.float16)
+    assert w.device.type == "meta" and w.shape == (4, HIDDEN, INTER) and w.dtype == torch.float16
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dense_against_reference(out_dtype):
+    x, dy, offsets = inputs()
+    want = reference(x, dy, offsets)
+    w = gwt.wgrad(x, dy, offsets, out_dtype=out_dtype)
+    assert w.dtype == out_dtype and w.shape == (4, HIDDEN, INTER)
+    assert rel_err(w, want) < (1e-6 if out_dtype == torch.float32 else 1e-2)
+    assert (w[1] == 0).all()
+    # through the op (what torch.compile calls) the same numbers
+    w_op = torch.ops.gwgrad.grouped_gemm_wgrad(x, dy, offsets, out_dtype)
+    assert torch.equal(w_op, w)
+
+
+def test_into_and_accumulate():
+    x, dy, offsets = inputs()
+    want = reference(x, dy, offsets)
+    out = torch.full((4, HIDDEN, INTER), float("nan"))
+    assert gwt.wgrad(x, dy, offsets, out=out) is out
+    assert rel_err(out, want) < 1e-6
+    base = torch.randn(4, HIDDEN, INTER)
+    out.copy_(base)
+    gwt.wgrad(x, dy, offsets, out=out, accumulate=True)
+    assert rel_err(out, want + base.double()) < 1e-6
+
+
+def test_discrete_outputs_and_accumulate():
+    x, dy, offsets = inputs()
+    want = reference(x, dy, offsets)
+    outs = [torch.full((HIDDEN, INTER), float("nan")) for _ in range(4)]
+    assert gwt.wgrad(x, dy, offsets, out=outs) == outs
+    assert rel_err(outs, want) < 1e-6
+    gwt.wgrad(x, dy, offsets, out=outs, accumulate=True)
+    assert rel_err(outs, 2 * want) < 1e-6
+    # the same outputs at new addresses
+    outs2 = [torch.full((HIDDEN, INTER), float("nan")) for _ in range(4)]
+    gwt.wgrad(x, dy, offsets, out=tuple(outs2))
+    assert rel_err(outs2, want) < 1e-6
+
+
+def test_k_major_x_and_any_storage_reuse_one_operator():
+    x, dy, offsets = inputs(counts=[16, 0, 40, 8])  # K-major A: counts multiples of 8
+    gwgrad.clear_cache()
+    before = gwgrad.cache_info()["constructed"]
+    for _ in range(3):  # fresh storage each time, one operator
+        x2, dy2 = x.clone(), dy.clone()
+        w = gwt.wgrad(x2, dy2, offsets, out_dtype=torch.float32)
+        assert rel_err(w, reference(x, dy, offsets)) < 1e-6
+    assert gwgrad.cache_info()["constructed"] - before == 1
+    x_kmajor = x.T.contiguous().T  # x.T is then K-major: (hidden, tokens) with strides (tokens, 1)
+    w = gwt.wgrad(x_kmajor, dy, offsets, out_dtype=torch.float32)
+    assert rel_err(w, reference(x, dy, offsets)) < 1e-6
+
+
+def test_errors_name_the_adapter_arguments():
+    x, dy, offsets = inputs()
+    with pytest.raises(ValueError, match=r"^x \(a_tensor = x.T\): .*bfloat16"):
+        gwt.wgrad(x.float(), dy, offsets)
+    with pytest.raises(ValueError, match=r"^offsets: .*int32"):
+        gwt.wgrad(x, dy, offsets.long())
+    with pytest.raises(ValueError, match=r"^dy \(b_tensor\): "):
+        gwt.wgrad(x, dy[:-1], offsets)
+    with pytest.raises(ValueError, match=r"^x: expected 2 dims"):
+        gwt.wgrad(x[None], dy, offsets)
+    with pytest.raises(ValueError, match=r"^out: .*accumulate"):
+        gwt.wgrad(x, dy, offsets, accumulate=True)
+    with pytest.raises(ValueError, match=r"^out_dtype: "):
+        gwt.wgrad(x, dy, offsets, out=torch.zeros(4, HIDDEN, INTER), out_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"^out \(wgrad_tensor\): .*shape"):
+        gwt.wgrad(x, dy, offsets, out=torch.zeros(4, HIDDEN, INTER + 8))
+    with pytest.raises(ValueError, match=r"^out: expected 4 per-expert outputs"):
+        gwt.wgrad(x, dy, offsets, out=[torch.zeros(HIDDEN, INTER)] * 3)
+    with pytest.raises(ValueError, match=r"^out: expected every output to be a contiguous"):
+        gwt.wgrad(x, dy, offsets, out=[torch.zeros(INTER, HIDDEN).T] * 4)
+    with pytest.raises(ValueError, match=r"^offsets: .*last offset"):  # the reference checks
+        gwt.wgrad(x, dy, offsets - 1)
+
+
+def test_validate_offsets_refused_under_compile():
+    x, dy, offsets = inputs()
+
+    def f(x, dy, offsets):
+        return gwt.wgrad(x, dy, offsets, validate_offsets=True)
+
+    with pytest.raises(Exception, match="validate_offsets"):
+        torch.compile(f, backend="eager", fullgraph=True)(x, dy, offsets)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile(backend):
+    x, dy, offsets = inputs()
+
+    def step(x, dy, offsets, acc):
+        w = gwt.wgrad(x * 2, dy, offsets, out_dtype=torch.float32)
+        gwt.wgrad(x, dy, offsets, out=acc, accumulate=True)
+        outs = [torch.zeros(HIDDEN, INTER) for _ in range(4)]
+        gwt.wgrad(x, dy, offsets, out=outs)
+        return w + acc + torch.stack(outs)
+
+    acc = torch.randn(4, HIDDEN, INTER)
+    want = step(x, dy, offsets, acc.clone())
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    got_acc = acc.clone()
+    got = compiled(x, dy, offsets, got_acc)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(got_acc, acc + reference(x, dy, offsets).float(), rtol=1e-5, atol=1e-4)
+
+
+def test_grouped_expert_linear_matches_autograd():
+    x, _, offsets = inputs()
+    w = torch.randn(4, HIDDEN, INTER, dtype=torch.bfloat16)
+    upstream = torch.randn(x.shape[0], INTER)
+    x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = gwt.grouped_expert_linear(x1, w1, offsets)
+    (y.float() * upstream).sum().backward()
+    # the reference: autograd through a float64 per-expert loop
+    x2, w2 = x.double().requires_grad_(), w.double().requires_grad_()
+    y2 = gwt.grouped_mm_reference(x2, w2, offsets)
+    (y2 * upstream.double()).sum().backward()
+    assert rel_err(y.detach(), y2.detach()) < 1e-2
+    assert rel_err(x1.grad, x2.grad) < 1e-2
+    assert rel_err(w1.grad, w2.grad) < 1e-2
+    assert w1.grad.dtype == torch.bfloat16
+
+
+def test_eager_path_and_op_path_agree_under_a_dispatch_mode():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, dy, offsets = inputs()
+    with Log():
+        w = gwt.wgrad(x, dy, offsets, out_dtype=torch.float32)
+    assert any("gwgrad.grouped_gemm_wgrad" in name for name in seen)  # the op, not the bypass
+    assert rel_err(w, reference(x, dy, offsets)) < 1e-6

@@ -245,12 +245,18 @@ class GroupedGemmWgrad:
             offsets_rules.check_values(spec, args.offsets, args.tokens_sum, args.wgrad_ptrs,
                                        args.stream)
         # A workspace the caller allocated (an adapter, from its framework's allocator on the
-        # launch stream, as CUDA-graph capture needs) is kept; otherwise gwgrad's per-stream one.
+        # launch stream) is kept; otherwise one that survives CUDA-graph capture.
+        release = None
         if self._workspace_bytes and not args.workspace:
-            args.workspace = memory.workspace(args.a.device_id, args.stream, self._workspace_bytes)
+            args.workspace, release = memory.launch_workspace(args.a, args.stream,
+                                                              self._workspace_bytes)
         if args.wgrad_ptrs is not None and args.wgrad_ptrs.framework == "torch":
             _record_stream(args.wgrad_ptrs, args.stream)
-        self._backend.launch(self._compiled, spec, args)
+        try:
+            self._backend.launch(self._compiled, spec, args)
+        finally:
+            if release is not None:
+                release()
 
 
 def _record_stream(desc: TensorDesc, stream: int) -> None:

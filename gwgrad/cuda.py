@@ -139,6 +139,17 @@ def free(ptr: int, device_id: int = 0) -> None:
         _call(f"cudaFree({ptr:#x})", rt.cudaFree, ptr)
 
 
+def malloc_async(nbytes: int, stream: int) -> int:
+    """Stream-ordered allocation (a memory node when ``stream`` is being captured)."""
+    rt = _runtime()
+    return int(_call(f"cudaMallocAsync({nbytes} bytes)", rt.cudaMallocAsync, nbytes, stream))
+
+
+def free_async(ptr: int, stream: int) -> None:
+    rt = _runtime()
+    _call(f"cudaFreeAsync({ptr:#x})", rt.cudaFreeAsync, ptr, stream)
+
+
 def memcpy_d2h(dst_host: int, src_device: int, nbytes: int, stream: int) -> None:
     """Enqueue a device-to-host copy on ``stream`` (call ``synchronize`` before reading)."""
     rt = _runtime()

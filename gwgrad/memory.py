@@ -9,6 +9,7 @@ own or a consumer's DLPack import) goes away.
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 import weakref
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -196,3 +197,29 @@ def release_workspaces() -> None:
     """Free every cached workspace (they are rebuilt on demand)."""
     with _workspaces_lock:
         _workspaces.clear()
+
+
+def launch_workspace(like: "TensorDesc", stream: int, nbytes: int):
+    """(address, release) of a workspace for one launch on ``stream``; call ``release()``
+    right after enqueueing the launch.
+
+    torch operands: torch's caching allocator on the launch stream (stream-ordered, and
+    graph-private while a CUDA graph is captured). Otherwise, during capture: a
+    cudaMallocAsync / cudaFreeAsync pair that becomes memory nodes of the graph; in eager
+    mode: gwgrad's cached per-stream workspace (``workspace``).
+    """
+    torch = sys.modules.get("torch")
+    owner = like.owner
+    if torch is not None and isinstance(owner, torch.Tensor) and owner.is_cuda:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=owner.device)
+
+        def release() -> None:
+            if stream != torch.cuda.current_stream(owner.device).cuda_stream:
+                buf.record_stream(torch.cuda.ExternalStream(stream, device=owner.device))
+
+        return buf.data_ptr(), release
+    if cuda.stream_is_capturing(stream):
+        with cuda.on_device(like.device_id):
+            ptr = cuda.malloc_async(nbytes, stream)
+        return ptr, lambda: cuda.free_async(ptr, stream)
+    return workspace(like.device_id, stream, nbytes), lambda: None

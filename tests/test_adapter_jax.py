@@ -21,6 +21,11 @@ import jax.numpy as jnp  # noqa: E402
 import gwgrad.adapters.jax as gwj  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pythonpath() -> str:
+    # The checkout first, then whatever the parent had (the GPU host puts the CuTe DSL there).
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 HIDDEN, INTER = 32, 48
 COUNTS = [50, 0, 70, 80]
 
@@ -139,7 +144,7 @@ def _custom_calls(text: str):
 def test_cuda_lowering_without_a_gpu_holds_the_custom_call(arch):
     # A process of its own: CUTE_DSL_ARCH must be set before the CuTe DSL is first imported
     # on a machine without a GPU (the DSL reads it once, at import).
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUTE_DSL_ARCH=arch, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), CUTE_DSL_ARCH=arch, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", LOWER_FOR_CUDA], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -203,7 +208,7 @@ def test_shard_map_over_two_cpu_devices():
             np.testing.assert_allclose(np.asarray(w), np.stack(want), rtol=1e-5, atol=1e-4)
         print("ok")
     """)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr

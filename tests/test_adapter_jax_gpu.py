@@ -43,6 +43,11 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pythonpath() -> str:
+    # The checkout first, then whatever the parent had (the GPU host puts the CuTe DSL there).
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 HIDDEN, INTER = 256, 384
 COUNTS = [512, 0, 997, 3, 256]
 
@@ -102,7 +107,7 @@ def test_grad_through_grouped_linear(rng):
 
 
 def _run(code: str, env_extra: dict) -> str:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_PYTHON_CLIENT_PREALLOCATE="false",
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), XLA_PYTHON_CLIENT_PREALLOCATE="false",
                **env_extra)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=110)

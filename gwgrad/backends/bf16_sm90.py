@@ -20,6 +20,10 @@ SM90_TILES = {
 }
 
 
+#: 128x128 tiles per expert from which the cooperative 128x256 tile is the default.
+WIDE_OUTPUT_TILES = 4096
+
+
 def sm90_schedule(mma_tiler_mn: Tuple[int, int]) -> str:
     try:
         return SM90_TILES[tuple(mma_tiler_mn)]
@@ -33,11 +37,15 @@ class Bf16Sm90Backend(Backend):
     name = "bf16_sm90"
 
     def default_tiling(self, spec: StaticSpec):
-        # Measured on an H200 (see README, Performance): the cooperative 128x256 tile is the
-        # fastest on every benchmark shape; narrow problems fall back to 128x128 pingpong.
-        if spec.intermediate <= 128:
-            return (128, 128), (1, 1)
-        return (128, 256), (1, 1)
+        # Measured on an H200 (docs/PERF_NOTES.md, README Performance): pingpong 128x128 hides
+        # each tile's epilogue behind the other warp group's mainloop and wins wherever an
+        # expert's output has fewer than ~4096 such tiles (every benchmark row but one, by up
+        # to 6%); on very wide outputs (mixtral-fc1: 7168 tiles per expert) the cooperative
+        # 128x256 tile's lower L2 traffic wins by 8%.
+        tiles = -(-spec.hidden // 128) * -(-spec.intermediate // 128)
+        if tiles >= WIDE_OUTPUT_TILES:
+            return (128, 256), (1, 1)
+        return (128, 128), (1, 1)
 
     def check_support(self, spec: StaticSpec) -> None:
         _cutedsl.check_bf16_spec(spec)

@@ -15,7 +15,7 @@ from typing import Any
 from .. import cuda as _gcuda
 from ..dtypes import DType
 from ..spec import StaticSpec
-from .base import LaunchArgs
+from .base import Backend, LaunchArgs
 
 _compile_lock = threading.Lock()
 _GMEM = None  # cute.AddressSpace.gmem, bound on first use (importing the DSL is slow)
@@ -207,3 +207,22 @@ def compile_gemm(kernel: Any, spec: StaticSpec, extra_options: str = "") -> Comp
         )
         compile_count += 1
     return CompiledGemm(fn, kernel.cfg, spec)
+
+
+class CuteDslBackend(Backend):
+    """What the CuTe DSL backends share: compile a kernel object, launch it (from LaunchArgs
+    or, on the adapters' per-call path, from raw addresses). Subclasses provide
+    ``make_kernel(spec)`` and the spec-dependent parts (tiling, support, workspace size)."""
+
+    def make_kernel(self, spec: StaticSpec):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def compile(self, spec: StaticSpec):
+        return compile_gemm(self.make_kernel(spec), spec)
+
+    def launch(self, compiled, spec: StaticSpec, args: LaunchArgs) -> None:
+        compiled.launch(args)
+
+    def launch_pointers(self, compiled, spec: StaticSpec, device_id: int, *addresses) -> None:
+        # gwgrad.prepared's path: addresses, workspace, tokens_sum, stream.
+        compiled.launch_pointers(device_id, *addresses)

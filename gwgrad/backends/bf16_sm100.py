@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from ..spec import StaticSpec
 from . import _cutedsl
-from .base import Backend, LaunchArgs
 
 
 def _config(spec: StaticSpec):
@@ -15,7 +14,7 @@ def _config(spec: StaticSpec):
     return _cutedsl.problem_config(spec, "sm100", unit_tile_m=unit_m)
 
 
-class Bf16Sm100Backend(Backend):
+class Bf16Sm100Backend(_cutedsl.CuteDslBackend):
     name = "bf16_sm100"
 
     def default_tiling(self, spec: StaticSpec):
@@ -40,13 +39,3 @@ class Bf16Sm100Backend(Backend):
         from ..kernels.sm100_bf16 import Sm100GroupedWgrad
 
         return Sm100GroupedWgrad(_config(spec), tuple(spec.mma_tiler_mn))
-
-    def compile(self, spec: StaticSpec):
-        return _cutedsl.compile_gemm(self.make_kernel(spec), spec)
-
-    def launch(self, compiled, spec: StaticSpec, args: LaunchArgs) -> None:
-        compiled.launch(args)
-
-    def launch_pointers(self, compiled, spec: StaticSpec, device_id: int, *addresses) -> None:
-        # The adapters' per-call path (gwgrad.prepared): addresses, workspace, tokens, stream.
-        compiled.launch_pointers(device_id, *addresses)

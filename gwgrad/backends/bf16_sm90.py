@@ -6,7 +6,6 @@ from typing import Tuple
 
 from ..spec import StaticSpec
 from . import _cutedsl
-from .base import Backend, LaunchArgs
 
 #: (tile_m, tile_n) -> schedule. 128x128 and 64xN tiles run one tile per consumer warp group
 #: (pingpong); 128x256 and 256x128 split one tile over both groups (cooperative).
@@ -33,7 +32,7 @@ def sm90_schedule(mma_tiler_mn: Tuple[int, int]) -> str:
         ) from None
 
 
-class Bf16Sm90Backend(Backend):
+class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
     name = "bf16_sm90"
 
     def default_tiling(self, spec: StaticSpec):
@@ -67,13 +66,3 @@ class Bf16Sm90Backend(Backend):
         from ..kernels.sm90_bf16 import Sm90GroupedWgrad
 
         return Sm90GroupedWgrad(_cutedsl.problem_config(spec, sm90_schedule(spec.mma_tiler_mn)))
-
-    def compile(self, spec: StaticSpec):
-        return _cutedsl.compile_gemm(self.make_kernel(spec), spec)
-
-    def launch(self, compiled, spec: StaticSpec, args: LaunchArgs) -> None:
-        compiled.launch(args)
-
-    def launch_pointers(self, compiled, spec: StaticSpec, device_id: int, *addresses) -> None:
-        # The adapters' per-call path (gwgrad.prepared): addresses, workspace, tokens, stream.
-        compiled.launch_pointers(device_id, *addresses)

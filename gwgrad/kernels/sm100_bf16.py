@@ -39,12 +39,12 @@ from typing import Tuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
-from cutlass.memory import TmemAllocator
+from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
 from cutlass.utils.gemm.sm100 import (
     epilogue_smem_copy_and_partition,
     epilogue_tmem_copy_and_partition,
@@ -125,7 +125,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         cfg = self.cfg
         self.a_major_mode = OperandMajorMode.K if cfg.a_major == "k" else OperandMajorMode.MN
         self.b_major_mode = OperandMajorMode.K if cfg.b_major == "k" else OperandMajorMode.MN
-        self.c_layout = utils.LayoutEnum.ROW_MAJOR
+        self.c_layout = LayoutEnum.ROW_MAJOR
         tiled_mma = sm100_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype, self.a_major_mode, self.b_major_mode,
             self.acc_dtype, self.cta_group, self.mma_tiler_mn,
@@ -173,7 +173,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         )
         acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
         tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
-        self.num_tmem_alloc_cols = sm100_utils.get_num_tmem_alloc_cols(tCtAcc_fake)
+        self.num_tmem_alloc_cols = get_num_tmem_alloc_cols(tCtAcc_fake)
         a_copy = cute.size_in_bytes(self.ab_dtype, cute.slice_(self.a_smem_layout_staged, (None, None, None, 0)))
         b_copy = cute.size_in_bytes(self.ab_dtype, cute.slice_(self.b_smem_layout_staged, (None, None, None, 0)))
         self.num_tma_load_bytes = (a_copy + b_copy) * atom_thr
@@ -305,7 +305,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             tmem_dealloc_mbar: Int64
             tmem_holding_buf: Int32
 
-        smem = utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(SharedStorage)
 
         ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(

@@ -35,11 +35,12 @@ from typing import Tuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
 
 from .common import (
     GroupedWgradKernel,
@@ -113,10 +114,10 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     # ------------------------------------------------------------------------------------
     def _setup(self):
         cfg = self.cfg
-        a_layout = utils.LayoutEnum.ROW_MAJOR if cfg.a_major == "k" else utils.LayoutEnum.COL_MAJOR
-        b_layout = utils.LayoutEnum.ROW_MAJOR if cfg.b_major == "k" else utils.LayoutEnum.COL_MAJOR
+        a_layout = LayoutEnum.ROW_MAJOR if cfg.a_major == "k" else LayoutEnum.COL_MAJOR
+        b_layout = LayoutEnum.ROW_MAJOR if cfg.b_major == "k" else LayoutEnum.COL_MAJOR
         self.a_layout, self.b_layout = a_layout, b_layout
-        self.c_layout = utils.LayoutEnum.ROW_MAJOR
+        self.c_layout = LayoutEnum.ROW_MAJOR
         atom_layout = (1, 1, 1) if self.pingpong else (2, 1, 1)
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
@@ -256,7 +257,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
         ws = Workspace(cfg, workspace_ptr)
 
-        smem = utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_mbar.data_ptr(),

@@ -57,11 +57,6 @@ def token_counts(tokens_sum: int, num_experts: int, dist: str, multiple: int = 2
 # ----------------------------------------------------------------------------------------
 
 
-def time_cuda(fn, warmup: int = 3, reps: int = 20, min_ms: float = 200.0) -> float:
-    """Median milliseconds of `fn()` over CUDA events."""
-    return time_interleaved({"fn": fn}, rounds=reps, sample_ms=min_ms / reps, warmup=warmup)["fn"]
-
-
 def time_interleaved(fns: Dict[str, object], rounds: int = 12, sample_ms: float = 15.0,
                      warmup: int = 3) -> Dict[str, float]:
     """Median milliseconds per call of each function, sampled round-robin.

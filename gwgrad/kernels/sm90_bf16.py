@@ -9,7 +9,9 @@ Warp roles (384 threads, one CTA per SM, persistent):
                  publishes each unit to the consumers through a small shared-memory ring, and
                  issues the TMA loads of the unit's A (tile_m x 64) and B (tile_n x 64) K-blocks
                  into a multi-stage ring, using the expert's own descriptors (TMA zero-fills
-                 past the expert's last token). Registers are given away (setmaxnreg 40).
+                 past the expert's last token). It decodes the next unit and acquires and
+                 prefetches its descriptors one unit ahead, so the ring does not drain at unit
+                 boundaries. Registers are given away (setmaxnreg 40).
   warp groups 1-2 consumers (setmaxnreg 232), WGMMA with FP32 accumulators in registers:
                  cooperative: both warp groups work on one unit, each on half of its rows;
                  pingpong:    each warp group owns every other unit; ordered named barriers
@@ -20,7 +22,7 @@ Pipelines: `ab` (TMA -> WGMMA, mbarriers with transaction counts), `sched` (unit
 warp -> all consumer threads), and the TMA store of the epilogue (bulk async groups).
 
 Epilogue: accumulators are converted to the output dtype, written to shared memory with
-stmatrix in (64|128) x 32 sub-tiles and stored with TMA: a plain store, or a reduce-add
+stmatrix in (64|128) x 64 sub-tiles (x 32 for FP32) and stored with TMA: a plain store, or a reduce-add
 (`cp.reduce.async.bulk.tensor .add`) when accumulating; dense outputs use one (hidden,
 intermediate, E) descriptor, discrete outputs the expert's descriptor from the workspace.
 An empty expert stores zeros, or nothing when accumulating.

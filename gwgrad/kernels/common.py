@@ -355,6 +355,12 @@ def unit_tile_coords(cfg: cutlass.Constexpr, local: Int32):
     return tile_m, tile_n
 
 
+def token_origin(begin, ragged_block: bool):
+    """First token coordinate of an expert's loads: global (`begin`) for tensor2d views, 0 for
+    a ragged K-contiguous block, whose descriptor starts at the expert's own base."""
+    return Int32(0) if ragged_block else begin
+
+
 @cute.jit
 def output_ptr_ok(ptrs: cute.Tensor, expert: Int32) -> cutlass.Boolean:
     """Discrete mode: a null or unaligned expert address skips that expert's store."""

@@ -73,6 +73,7 @@ from .common import (
     gemm_views,
     output_ptr_ok,
     tma_desc_ptr_for_copy,
+    token_origin,
 )
 
 SMEM_CAPACITY = 232448  # 227 KiB per CTA on SM100
@@ -426,12 +427,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                 last_expert = expert
                 desc_a = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_A))
                 desc_b = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_B))
-                k0 = begin
-                if cutlass.const_expr(cfg.a_ragged_block):
-                    k0 = Int32(0)
-                kb0 = begin
-                if cutlass.const_expr(cfg.b_ragged_block):
-                    kb0 = Int32(0)
+                k0 = token_origin(begin, cfg.a_ragged_block)
+                kb0 = token_origin(begin, cfg.b_ragged_block)
                 gA = cute.local_tile(
                     cute.domain_offset((0, k0, 0), mA_coord),
                     cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None),

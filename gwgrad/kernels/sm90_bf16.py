@@ -58,6 +58,7 @@ from .common import (
     output_ptr_ok,
     prefetch_tma_descriptor,
     tma_desc_ptr_for_copy,
+    token_origin,
     unit_tile_coords,
 )
 
@@ -340,26 +341,10 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
 
             desc_a = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_A))
             desc_b = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_B))
-            k0 = begin
-            if cutlass.const_expr(cfg.a_ragged_block):
-                k0 = Int32(0)
-            gA = cute.local_tile(
-                cute.domain_offset((0, k0), mA_coord), (cfg.tile_m, cfg.tile_k), (None, None)
-            )
-            tAsA, tAgA = cpasync.tma_partition(
-                tma_atom_a, 0, cute.make_layout(1),
-                cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
-            )
-            kb0 = begin
-            if cutlass.const_expr(cfg.b_ragged_block):
-                kb0 = Int32(0)
-            gB = cute.local_tile(
-                cute.domain_offset((0, kb0), mB_coord), (cfg.tile_n, cfg.tile_k), (None, None)
-            )
-            tBsB, tBgB = cpasync.tma_partition(
-                tma_atom_b, 0, cute.make_layout(1),
-                cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2),
-            )
+            tAsA, tAgA = self.operand_tiles(tma_atom_a, mA_coord, sA, cfg.tile_m,
+                                            token_origin(begin, cfg.a_ragged_block))
+            tBsB, tBgB = self.operand_tiles(tma_atom_b, mB_coord, sB, cfg.tile_n,
+                                            token_origin(begin, cfg.b_ragged_block))
             for kt in cutlass.range(k_tiles, unroll=1):
                 ab_pipeline.producer_acquire(ab_state)
                 bar = ab_pipeline.producer_get_barrier(ab_state)
@@ -378,6 +363,17 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         # Tell the consumers there is no more work.
         self.publish(sched_pipeline, sched_state, sched_slots, unit, Int32(-1), Int32(0), lane)
         ab_pipeline.producer_tail(ab_state)
+
+    @cute.jit
+    def operand_tiles(self, tma_atom, mX_coord, sX, rows: cutlass.Constexpr, k0):
+        """TMA partitions of one operand's (rows x 64) K-blocks, from token coordinate k0."""
+        gX = cute.local_tile(
+            cute.domain_offset((0, k0), mX_coord), (rows, self.cfg.tile_k), (None, None)
+        )
+        return cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1),
+            cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2),
+        )
 
     @cute.jit
     def acquire_descriptors(self, ws, expert):

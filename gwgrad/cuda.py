@@ -197,3 +197,24 @@ def pointer_device(ptr: int) -> int:
     rt = _runtime()
     attrs = _call(f"cudaPointerGetAttributes({ptr:#x})", rt.cudaPointerGetAttributes, ptr)
     return int(attrs.device)
+
+
+def host_alloc_mapped(nbytes: int) -> int:
+    """Pinned host memory that every device can read and write (mapped, portable); with
+    unified addressing its host address is also its device address. Zero-filled."""
+    import ctypes
+
+    rt = _runtime()
+    flags = rt.cudaHostAllocMapped | rt.cudaHostAllocPortable
+    ptr = int(_call(f"cudaHostAlloc({nbytes} bytes, mapped)", rt.cudaHostAlloc, nbytes, flags))
+    ctypes.memset(ptr, 0, nbytes)
+    device_ptr = int(_call("cudaHostGetDevicePointer", rt.cudaHostGetDevicePointer, ptr, 0))
+    if device_ptr != ptr:  # not unified addressing: gwgrad's status record needs it
+        raise RuntimeError("cudaHostGetDevicePointer: mapped host memory has a different device "
+                           "address (no unified addressing)")
+    return ptr
+
+
+def device_synchronize(device_id: int) -> None:
+    with on_device(device_id):
+        _call("cudaDeviceSynchronize", _runtime().cudaDeviceSynchronize)

@@ -69,7 +69,7 @@ _BY_NAME = {d.value: d for d in DType}
 def as_dtype(obj, name: str = "dtype") -> DType:
     """A ``DType`` from a DType, its name, or a torch / NumPy / JAX / ml_dtypes dtype.
 
-    Raises ValueError naming ``name`` when the object is not an element type gwgrad knows.
+    Raises ArgumentError (a ValueError) naming ``name`` when the object is not an element type gwgrad knows.
     """
     if isinstance(obj, DType):
         return obj
@@ -90,5 +90,7 @@ def as_dtype(obj, name: str = "dtype") -> DType:
         found = _ALIASES.get(text)
     if found is None:
         known = ", ".join(d.value for d in DType)
-        raise ValueError(f"{name}: expected an element type ({known}), got {obj!r}")
+        from .errors import ArgumentError
+
+        raise ArgumentError(name, f"expected an element type ({known}), got {obj!r}")
     return found

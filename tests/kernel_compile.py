@@ -24,15 +24,12 @@ def spec(arch, *, hidden=512, intermediate=768, experts=8, a_major="m", b_major=
 
 def compile_ptx(s: StaticSpec) -> str:
     """Finalize the tiling with the backend's defaults, check support, compile, return PTX."""
-    import cutlass.cute as cute
-
     from gwgrad.backends import _cutedsl, finalize_spec
 
     s, backend = finalize_spec(s)
     kernel = backend.make_kernel(s)
-    # The same compile as the backend's, keeping the PTX for inspection.
-    fn = _cutedsl.compile_gemm(kernel, s, extra_options="--keep-ptx").fn
-    ptx = fn.artifacts.PTX
+    # The same compile as the backend's (never from the kernel cache), keeping the PTX.
+    ptx = _cutedsl.compile_kernel(kernel, s, extra_options="--keep-ptx").artifacts.PTX
     assert ptx and ".entry" in ptx
     return ptx
 

@@ -3,24 +3,42 @@
 Kernels are compiled for the spec's architecture with the DSL's `--gpu-arch` option, so
 compilation needs no GPU. Compiled functions take raw device addresses, `tokens_sum` and the
 grid size as run-time arguments: one compile serves every token count and every storage.
+Compiled kernels live in ``gwgrad.kernel_cache`` (in memory and on disk: a later process loads
+them with ctypes, without importing the DSL) and are launched through its ``KernelFunction``.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import threading
-from typing import Any
+from typing import Any, Callable, Tuple
 
-from .. import cuda as _gcuda
+from .. import kernel_cache, status as _status
+from ..dsl import shielded_argv
 from ..dtypes import DType
+from ..errors import fail
+from ..offsets import token_count_multiple
 from ..spec import StaticSpec
 from .base import Backend, LaunchArgs
 
 _compile_lock = threading.Lock()
-_GMEM = None  # cute.AddressSpace.gmem, bound on first use (importing the DSL is slow)
 #: How many kernels this process compiled (tests assert that cached operators reuse theirs).
 compile_count = 0
+
+#: The compiled entry's run-time arguments (``GemmEntryPoints.__call__``) in order: (name,
+#: "ptr", element dtype, alignment in bytes), (name, "i32") or (name, "stream"). Dtype "ab":
+#: the operands'; "out": the dense output's, or int64 (the pointer array) in discrete mode.
+ENTRY_SIGNATURE: Tuple[tuple, ...] = (
+    ("a", "ptr", "ab", 16),
+    ("b", "ptr", "ab", 16),
+    ("offsets", "ptr", "int32", 4),
+    ("out", "ptr", "out", 16),
+    ("workspace", "ptr", "uint8", 128),
+    ("status", "ptr", "int32", 16),
+    ("tokens_sum", "i32"),
+    ("grid_size", "i32"),
+    ("stream", "stream"),
+)
 
 
 def problem_config(spec: StaticSpec, schedule: str, unit_tile_m: int = 0):
@@ -44,128 +62,62 @@ def problem_config(spec: StaticSpec, schedule: str, unit_tile_m: int = 0):
         cluster_m=spec.cluster_shape_mn[0],
         cluster_n=spec.cluster_shape_mn[1],
         schedule=schedule,
-        # Tuning knob for benchmarks only: it is not part of the operator cache key.
-        group_m=int(os.environ.get("GWGRAD_RASTER_GROUP", "16")),
+        # Tuning is part of the spec (filled in by backends.finalize_spec), so of every cache
+        # key; 0 here only for a spec that skipped it: the kernels' defaults.
+        group_m=spec.raster_group or 16,
+        epi_tile_n=spec.epi_tile_n,
+        count_multiple=token_count_multiple(spec),
     )
-
-
-def _cutlass_dtype(dtype: DType):
-    import cutlass
-
-    return {
-        DType.BFLOAT16: cutlass.BFloat16,
-        DType.FLOAT16: cutlass.Float16,
-        DType.FLOAT32: cutlass.Float32,
-    }[dtype]
 
 
 def check_bf16_spec(spec: StaticSpec) -> None:
     """What every BF16 CuTe DSL kernel needs from the static spec."""
     if spec.a_dtype != DType.BFLOAT16 or spec.b_dtype != DType.BFLOAT16:
-        raise ValueError(
-            f"a_tensor/b_tensor: the BF16 kernels take bfloat16 operands, got {spec.a_dtype} and {spec.b_dtype}"
-        )
+        fail("a_tensor", "bfloat16 operands (the BF16 kernels)",
+             f"{spec.a_dtype} and {spec.b_dtype}")
     if spec.acc_dtype != DType.FLOAT32:
-        raise ValueError(f"acc_dtype: the BF16 kernels accumulate in float32, got {spec.acc_dtype}")
+        fail("acc_dtype", "float32 (the BF16 kernels accumulate in FP32)", spec.acc_dtype)
     if spec.wgrad_dtype not in (DType.BFLOAT16, DType.FLOAT16, DType.FLOAT32):
-        raise ValueError(
-            f"wgrad_dtype: expected bfloat16, float16 or float32, got {spec.wgrad_dtype}"
-        )
-    for name, value in (("hidden", spec.hidden), ("intermediate", spec.intermediate)):
+        fail("wgrad_dtype", "bfloat16, float16 or float32", spec.wgrad_dtype)
+    for name, value in (("a_tensor", spec.hidden), ("b_tensor", spec.intermediate)):
         if value % 8 != 0:
-            raise ValueError(
-                f"a_tensor/b_tensor: {name} must be a multiple of 8 (16-byte TMA rows), got {value}"
-            )
+            fail(name, "hidden / intermediate a multiple of 8 (16-byte TMA rows)", value)
     if spec.num_experts < 1:
-        raise ValueError(f"offsets_tensor: expected at least one expert, got {spec.num_experts}")
+        fail("offsets_tensor", "at least one expert", spec.num_experts)
 
 
 class CompiledGemm:
-    """A compiled prep + GEMM launcher for one static spec."""
+    """A compiled prep + GEMM kernel for one static spec: its ``KernelFunction``, the number
+    of work units (for the grid size per device) and its workspace size, neither of which
+    needs the DSL once the kernel is cached."""
 
-    def __init__(self, fn: Any, cfg: Any, spec: StaticSpec):
-        import cutlass
-
-        self.fn = fn
-        self.cfg = cfg
+    def __init__(self, kernel: kernel_cache.KernelFunction, spec: StaticSpec):
+        self.kernel = kernel
         self.spec = spec
-        self.ab_dtype = cutlass.BFloat16
-        self.out_dtype = _cutlass_dtype(spec.wgrad_dtype)
-        self.i32, self.i64, self.u8 = cutlass.Int32, cutlass.Int64, cutlass.Uint8
-        # device ordinal -> (PackedLauncher or None for the DSL's own call, grid size). One per
-        # device: an executor holds the kernel handles of one device's context.
-        self._launchers: dict = {}
+        self.num_units = int(kernel.info["num_units"])
+        self.workspace_bytes = int(kernel.info["workspace_bytes"])
 
-    def _sample_pointers(self):
-        from cutlass.cute.runtime import make_ptr
+    def launch(self, device: int, stream: int, a: int, b: int, offsets: int, out: int,
+               workspace: int, status: int, tokens_sum: int) -> None:
+        """Launch on ``stream`` of ``device`` from raw addresses (``out``: the dense output or
+        the int64 pointer array; ``status``: gwgrad's status record, gwgrad/status.py)."""
+        self.kernel.launch(device, stream, a, b, offsets, out, workspace, status, tokens_sum,
+                           grid_size(self, device))
 
-        gmem = _gmem()
-        out = self.out_dtype if self.spec.output_mode == "dense" else self.i64
-        return [make_ptr(self.ab_dtype, 0, gmem, assumed_align=16),
-                make_ptr(self.ab_dtype, 0, gmem, assumed_align=16),
-                make_ptr(self.i32, 0, gmem, assumed_align=4),
-                make_ptr(out, 0, gmem, assumed_align=16),
-                make_ptr(self.u8, 0, gmem, assumed_align=128)]
+    def launcher(self, device: int) -> Callable[..., None]:
+        """``launch`` bound to ``device``, grid size computed once: a function ``(stream, a,
+        b, offsets, out, workspace, status, tokens_sum)``."""
+        grid, launch = grid_size(self, device), self.kernel.launch
 
-    def _for_device(self, device: int):
-        """(PackedLauncher or None, grid size) for ``device``, made on first use."""
-        from ._fastcall import PackedLauncher, PackingMismatch
+        def run(stream, a, b, offsets, out, workspace, status, tokens_sum):
+            launch(device, stream, a, b, offsets, out, workspace, status, tokens_sum, grid)
 
-        try:
-            launcher = PackedLauncher(self.fn, 5, 2, device, self._sample_pointers())
-        except PackingMismatch:  # a DSL that marshals differently: keep its own call
-            launcher = None
-        entry = self._launchers[device] = (launcher, grid_size(self.cfg, device))
-        return entry
-
-    def launch_pointers(self, device: int, a: int, b: int, offsets: int, out: int,
-                        workspace: int, tokens_sum: int, stream: int) -> None:
-        """Launch from raw addresses (``out``: the dense output or the pointer array)."""
-        if _gcuda.current_device() == device:  # the common case: no context manager
-            self._launch_here(device, a, b, offsets, out, workspace, tokens_sum, stream)
-        else:
-            with _gcuda.on_device(device):
-                self._launch_here(device, a, b, offsets, out, workspace, tokens_sum, stream)
-
-    def _launch_here(self, device, a, b, offsets, out, workspace, tokens_sum, stream):
-        entry = self._launchers.get(device)
-        launcher, grid = entry if entry is not None else self._for_device(device)
-        if launcher is not None:
-            launcher.launch_entry(a, b, offsets, out, workspace, tokens_sum, grid, stream)
-            return
-        import cuda.bindings.driver as cuda_driver
-        from cutlass.cute.runtime import make_ptr
-
-        gmem = _gmem()
-        out_dtype = self.out_dtype if self.spec.output_mode == "dense" else self.i64
-        self.fn(
-            make_ptr(self.ab_dtype, a, gmem, assumed_align=16),
-            make_ptr(self.ab_dtype, b, gmem, assumed_align=16),
-            make_ptr(self.i32, offsets, gmem, assumed_align=4),
-            make_ptr(out_dtype, out, gmem, assumed_align=16),
-            make_ptr(self.u8, workspace, gmem, assumed_align=128),
-            tokens_sum,
-            grid,
-            cuda_driver.CUstream(stream),
-        )
-
-    def launch(self, args: LaunchArgs) -> None:
-        out = args.wgrad.ptr if self.spec.output_mode == "dense" else args.wgrad_ptrs.ptr
-        self.launch_pointers(args.a.device_id, args.a.ptr, args.b.ptr, args.offsets.ptr, out,
-                             args.workspace, args.tokens_sum, args.stream)
-
-
-def _gmem():
-    global _GMEM
-    if _GMEM is None:
-        import cutlass.cute as cute
-
-        _GMEM = cute.AddressSpace.gmem
-    return _GMEM
+        return run
 
 
 def grid_size(cfg: Any, device_id: int) -> int:
-    """Persistent grid: one CTA per SM, or fewer when there are fewer units of work."""
+    """Persistent grid: one CTA per SM, or fewer when there are fewer units of work
+    (``cfg``: anything with ``num_units``, a kernel config or a CompiledGemm)."""
     return min(cfg.num_units, _sm_count(device_id))
 
 
@@ -176,53 +128,102 @@ def _sm_count(device_id: int) -> int:
     return gcuda.sm_count(device_id)
 
 
-def compile_gemm(kernel: Any, spec: StaticSpec, extra_options: str = "") -> CompiledGemm:
-    """Compile `kernel` (a kernel object with a `@cute.jit __call__`) for `spec.arch`."""
-    global compile_count
+def _sample_arguments(spec: StaticSpec) -> list:
+    """Placeholder values of ``ENTRY_SIGNATURE`` for ``cute.compile`` (types, alignments)."""
     import cuda.bindings.driver as cuda_driver
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Int32
 
-    def ptr(dtype, align):
-        return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
+    dtypes = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
+              "float32": cutlass.Float32, "int32": cutlass.Int32, "int64": cutlass.Int64,
+              "uint8": cutlass.Uint8}
+    named = {"ab": spec.a_dtype.value,
+             "out": spec.wgrad_dtype.value if spec.output_mode == "dense" else "int64"}
+    samples = []
+    for name, kind, *rest in ENTRY_SIGNATURE:
+        if kind == "ptr":
+            dtype, align = rest
+            samples.append(cute.runtime.make_ptr(dtypes[named.get(dtype, dtype)], 0,
+                                                 cute.AddressSpace.gmem, assumed_align=align))
+        elif kind == "i32":
+            samples.append(cutlass.Int32(1))
+        else:
+            samples.append(cuda_driver.CUstream(0))
+    return samples
 
-    out_ptr = (
-        ptr(_cutlass_dtype(spec.wgrad_dtype), 16)
-        if spec.output_mode == "dense"
-        else ptr(cutlass.Int64, 16)
-    )
-    with _compile_lock:
-        fn = cute.compile(
-            kernel,
-            ptr(cutlass.BFloat16, 16),
-            ptr(cutlass.BFloat16, 16),
-            ptr(cutlass.Int32, 4),
-            out_ptr,
-            ptr(cutlass.Uint8, 128),
-            Int32(0),
-            Int32(1),
-            cuda_driver.CUstream(0),
-            options=f"--gpu-arch {spec.arch} {extra_options}".strip(),
-        )
+
+def compile_options(spec: StaticSpec, extra_options: str = "") -> str:
+    """The DSL compile options of a spec's kernel."""
+    return f"--gpu-arch {spec.arch} {extra_options}".strip()
+
+
+def compile_kernel(kernel: Any, spec: StaticSpec, extra_options: str = "") -> Any:
+    """``cute.compile`` of ``kernel`` (an object with a ``@cute.jit __call__`` taking
+    ``ENTRY_SIGNATURE``) for ``spec.arch``; no cache. The compile tests read the PTX of
+    ``compile_kernel(kernel, spec, "--keep-ptx").artifacts.PTX``."""
+    global compile_count
+
+    with _compile_lock, shielded_argv():  # the DSL reads sys.argv when it compiles
+        import cutlass.cute as cute
+
+        fn = cute.compile(kernel, *_sample_arguments(spec),
+                          options=compile_options(spec, extra_options))
         compile_count += 1
-    return CompiledGemm(fn, kernel.cfg, spec)
+    return fn
+
+
+def compile_gemm(spec: StaticSpec, make_kernel: Callable[[], Any], key_parts: Tuple,
+                 extra_options: str = "") -> CompiledGemm:
+    """The compiled kernel for ``spec`` from gwgrad.kernel_cache: ``make_kernel()`` (which
+    imports the DSL) and the compile run only when neither memory nor disk has it.
+    ``key_parts``: what names the kernel besides the arch and the options."""
+
+    def build():
+        kernel = make_kernel()
+        info = {"num_units": kernel.cfg.num_units,
+                "workspace_bytes": kernel.cfg.workspace_bytes}
+        return compile_kernel(kernel, spec, extra_options), info
+
+    kernel = kernel_cache.load_or_compile(key_parts, spec.arch,
+                                          compile_options(spec, extra_options), _KINDS, build)
+    return CompiledGemm(kernel, spec)
+
+
+#: The kinds of ENTRY_SIGNATURE's arguments, as gwgrad.kernel_cache takes them.
+_KINDS = tuple(row[1] for row in ENTRY_SIGNATURE)
 
 
 class CuteDslBackend(Backend):
-    """What the CuTe DSL backends share: compile a kernel object, launch it (from LaunchArgs
-    or, on the adapters' per-call path, from raw addresses). Subclasses provide
-    ``make_kernel(spec)`` and the spec-dependent parts (tiling, support, workspace size)."""
+    """What the CuTe DSL backends share: compile a kernel object (through gwgrad.kernel_cache)
+    and launch it, from LaunchArgs or (``launcher``, gwgrad.plan's per-call path) from raw
+    addresses. Subclasses provide ``make_kernel(spec)`` and the spec-dependent parts (tiling,
+    support, workspace size)."""
 
     def make_kernel(self, spec: StaticSpec):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def compile(self, spec: StaticSpec):
-        return compile_gemm(self.make_kernel(spec), spec)
+    def compile_options(self, spec: StaticSpec) -> str:
+        """The DSL options the kernel of ``spec`` is compiled with (the JAX adapter's too)."""
+        return compile_options(spec)
 
-    def launch(self, compiled, spec: StaticSpec, args: LaunchArgs) -> None:
-        compiled.launch(args)
+    def cache_key(self, spec: StaticSpec) -> Tuple[str, str]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}", repr(spec))
 
-    def launch_pointers(self, compiled, spec: StaticSpec, device_id: int, *addresses) -> None:
-        # gwgrad.prepared's path: addresses, workspace, tokens_sum, stream.
-        compiled.launch_pointers(device_id, *addresses)
+    def compiled_before(self, spec: StaticSpec) -> bool:
+        """True when gwgrad.kernel_cache holds this spec's kernel (so it compiles: the
+        kernel-level predicate, which imports the DSL, need not run again)."""
+        return kernel_cache.lookup(self.cache_key(spec), spec.arch, compile_options(spec),
+                                   _KINDS) is not None
+
+    def compile(self, spec: StaticSpec) -> CompiledGemm:
+        self.check_support(spec)  # check_support passing is what compile relies on
+        return compile_gemm(spec, lambda: self.make_kernel(spec), self.cache_key(spec))
+
+    def launch(self, compiled: CompiledGemm, spec: StaticSpec, args: LaunchArgs) -> None:
+        device = args.a.device_id
+        out = args.wgrad.ptr if spec.output_mode == "dense" else args.wgrad_ptrs.ptr
+        compiled.launch(device, args.stream, args.a.ptr, args.b.ptr, args.offsets.ptr, out,
+                        args.workspace, _status.status_address(device), args.tokens_sum)
+
+    def launcher(self, compiled: CompiledGemm, spec: StaticSpec, device_id: int):
+        return compiled.launcher(device_id)

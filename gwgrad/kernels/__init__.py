@@ -1,2 +1,2 @@
-"""CuTe DSL kernels. Importing this package (or its modules) pulls in the CuTe DSL; the core
-imports them lazily, only when a GPU spec needs one."""
+"""CuTe DSL kernels. The kernel modules pull in the CuTe DSL, so the core imports them lazily,
+only when a GPU spec needs one; ``tiling`` (which tilings each kernel runs) imports nothing."""

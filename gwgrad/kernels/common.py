@@ -7,23 +7,47 @@ so handing units out in increasing order runs the longest tiles first, and tiles
 run side by side and share its A/B K-panels through L2. Inside an expert, units go in bands of
 a few m-tiles, m fastest inside a band (unit_tile_coords).
 
-Per-expert K ranges. A small *prep kernel* (one warp per expert) runs before the GEMM on the
-same stream and writes the workspace:
+Per-expert K ranges. A small *prep kernel* (one warp per expert, grid = E) runs before the
+GEMM on the same stream and writes the workspace:
 
-    counter   int32      the dynamic scheduler's unit counter, reset to 0
+    counter   int32      byte 0: the dynamic scheduler's unit counter, reset to 0 (block 0)
+    verdict   int32      byte 4: 1 when the offsets are valid, 0 when not (block 0, every launch)
+              (bytes 8..127 of this 128-byte block are unused)
     ranges    int32[2E]  sanitized (begin, end) token range of every expert
     order     int32[E]   expert of each rank (longest first)
     descs     128 B each per expert: TMA descriptors for A and B, and for the output in
               discrete mode
 
-Sanitizing: begin/end are clamped to [0, tokens_sum] and end >= begin, so no descriptor ever
-reaches outside A or B whatever `offsets` holds. For ``tensor2d`` the A/B descriptors keep the
+Offsets check (block 0 of the prep kernel, check_offsets). With prev(e) = offsets[e-1] (0 for
+e = 0) and count(e) = offsets[e] - prev(e), the offsets are valid iff every count(e) >= 0,
+offsets[E-1] == tokens_sum and every count(e) is a multiple of cfg.count_multiple (so every
+offset lies in [0, tokens_sum]). The warp reads the offsets lane-strided and combines with
+warp reductions. Invalid offsets: the verdict is 0, so the GEMM kernel of the same launch
+does no work and writes no output byte (dense or discrete, accumulating or not), and the
+first problem is recorded in the caller's *status record* (8 x int32, gwgrad/status.py), the
+same problem a host check reports (gwgrad/offsets.find_problem: the first negative count,
+else the last offset, else the first count that is not a multiple):
+
+    [0] code: 0 none; 1 a negative count (offsets[0] < 0 or decreasing offsets); 2 the last
+        offset != tokens_sum; 3 a count not a multiple of count_multiple
+    [1] expert  [2] offsets[expert]  [3] prev(expert)  [4] tokens_sum  [5] count_multiple
+    [6..7] reserved, 0
+
+The record is sticky: a system-scope compare-and-swap of [0] from 0 to the code elects one
+writer across launches (and devices); only it writes [1..4], [6..7], then, after a
+system-scope fence, [5] (>= 1, so a non-zero [5] tells the host the fields are complete), and
+fences again. The host clears [0] after reporting.
+
+Sanitizing (defense in depth, whatever the verdict): begin/end are clamped to [0, tokens_sum]
+and end >= begin, so no descriptor ever reaches outside A or B whatever `offsets` holds. For
+``tensor2d`` the A/B descriptors keep the
 global base and strides but end the token axis at ``end``; loads start at token ``begin``, so
 the TMA unit zero-fills the last K tile past the expert's end: any token count works, no
 masking in the mainloop. For ``tensor_ragged`` an operand whose unit stride is along K gets
 its expert's own block (base + begin * rows, rows x count with row stride count). Whenever an
 operand's unit stride is along K, TMA needs 16-byte aligned rows, so an expert whose count is
-not a multiple of 8 is treated as empty (host validation rejects those offsets first). Discrete outputs get one
+not a multiple of 8 is treated as empty (such offsets also fail the check above). Discrete
+outputs get one
 descriptor per expert from ``wgrad_ptrs``; a null or unaligned address skips that expert's
 store instead of faulting.
 """
@@ -45,8 +69,15 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.typing import AddressSpace
 from cutlass.cutlass_dsl import dsl_user_op
 
+from ..offsets import COUNT_NOT_MULTIPLE, LAST_NOT_TOKENS_SUM, NEGATIVE_COUNT
+
 DESC_BYTES = 128
-COUNTER_BYTES = 128
+COUNTER_BYTES = 128  # the block holding the unit counter (byte 0) and the verdict (byte 4)
+VERDICT_BYTE = 4
+# The status record (see module doc): 8 int32, 16-byte aligned.
+STATUS_INT32 = 8
+(STATUS_CODE, STATUS_EXPERT, STATUS_VALUE, STATUS_PREV, STATUS_TOKENS_SUM,
+ STATUS_MULTIPLE) = range(6)
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -74,6 +105,11 @@ class ProblemConfig:
     cluster_n: int = 1
     schedule: str = "cooperative"  # SM90: "cooperative" | "pingpong"
     group_m: int = 16  # m-tiles per raster band (see unit_tile_coords)
+    epi_tile_n: int = 0  # columns of one epilogue sub-tile; 0: the kernel's default
+    # Every expert's token count must be a multiple of this (gwgrad.offsets.token_count_multiple,
+    # the one rule): with a K-major operand TMA needs 16-byte aligned rows. Others fail the
+    # offsets check and are treated as empty (see module doc).
+    count_multiple: int = 1
 
     # -- static tiling ------------------------------------------------------------------
     @property
@@ -105,14 +141,6 @@ class ProblemConfig:
     @property
     def b_ragged_block(self) -> bool:
         return self.input_order == "tensor_ragged" and self.b_major == "k"
-
-    @property
-    def count_multiple(self) -> int:
-        """Token counts the kernel can load; others are treated as empty (see module doc).
-
-        With the token axis contiguous (a K-major operand), TMA needs every expert's rows to
-        start and end on 16-byte boundaries: multiples of 8 BF16 tokens."""
-        return 8 if "k" in (self.a_major, self.b_major) else 1
 
     # -- workspace layout ---------------------------------------------------------------
     @property
@@ -225,6 +253,9 @@ class Workspace:
         self.counter = cute.make_tensor(
             cute.recast_ptr(base, dtype=Int32), cute.make_layout(1)
         )
+        self.verdict = cute.make_tensor(
+            cute.recast_ptr(base + VERDICT_BYTE, dtype=Int32), cute.make_layout(1)
+        )
         self.ranges = cute.make_tensor(
             cute.recast_ptr(base + cfg.ranges_offset, dtype=Int32), cute.make_layout(2 * e)
         )
@@ -319,6 +350,64 @@ def write_ranges_and_order(
 
 
 @cute.jit
+def check_offsets(
+    cfg: cutlass.Constexpr, offsets: cute.Tensor, tokens_sum: Int32, ws: Workspace,
+    status: cute.Tensor,
+):
+    """The offsets check of block 0 of the prep kernel (one warp): writes the verdict and, when
+    the offsets are invalid, claims and fills the status record (see module doc)."""
+    lane = cute.arch.lane_idx()
+    e = cfg.num_experts
+    # First expert (E: none) with a negative count, and with a count not a multiple.
+    first_negative = Int32(e)
+    first_not_multiple = Int32(e)
+    for j in range(lane, e, 32):
+        value = offsets[j]
+        prev = Int32(0)
+        if j > 0:
+            prev = offsets[j - 1]
+        # Compared, not subtracted: the difference of two int32 offsets can overflow.
+        if value < prev:
+            first_negative = cutlass.min(first_negative, j)
+        if cutlass.const_expr(cfg.count_multiple > 1):
+            # Only consulted when every count is >= 0 and the last offset is tokens_sum, so
+            # the difference is then exact.
+            if (value - prev) % cfg.count_multiple != 0:
+                first_not_multiple = cutlass.min(first_not_multiple, j)
+    first_negative = cute.arch.warp_redux_sync(first_negative, "min")
+    first_not_multiple = cute.arch.warp_redux_sync(first_not_multiple, "min")
+    # The host check's order (gwgrad/offsets.find_problem), so both report the same problem.
+    # Branch-free (0/1 flags): an scf.if that yields constants fails the DSL's pass pipeline
+    # for the SM100 prep kernel traced through call_tensors (nvidia-cutlass-dsl 4.8.1).
+    negative = Int32(first_negative < e)
+    last_wrong = Int32(offsets[e - 1] != tokens_sum) * (1 - negative)
+    not_multiple = Int32(first_not_multiple < e) * (1 - negative) * (1 - last_wrong)
+    code = (negative * NEGATIVE_COUNT + last_wrong * LAST_NOT_TOKENS_SUM
+            + not_multiple * COUNT_NOT_MULTIPLE)
+    expert = (negative * first_negative + last_wrong * (e - 1)
+              + not_multiple * first_not_multiple)
+    if lane == 0:
+        ws.verdict[0] = Int32(code == 0)
+        if code != 0:
+            # Sticky: only the first problem since the host last cleared [0] is recorded.
+            old = cute.arch.atomic_cas(
+                status.iterator + STATUS_CODE, cmp=Int32(0), val=code, scope="sys"
+            )
+            if old == 0:
+                prev = offsets[cutlass.max(expert - 1, 0)] * Int32(expert > 0)
+                status[STATUS_EXPERT] = expert
+                status[STATUS_VALUE] = offsets[expert]
+                status[STATUS_PREV] = prev
+                status[STATUS_TOKENS_SUM] = tokens_sum
+                status[6] = Int32(0)
+                status[7] = Int32(0)
+                # The fields before [5]: a non-zero [5] tells the host the record is complete.
+                cute.arch.fence_acq_rel_sys()
+                status[STATUS_MULTIPLE] = Int32(cfg.count_multiple)
+                cute.arch.fence_acq_rel_sys()
+
+
+@cute.jit
 def decode_unit(cfg: cutlass.Constexpr, unit: Int32, ws: Workspace):
     """unit -> (expert, tile_m, tile_n, begin, k_tiles)."""
     rank = unit // cfg.tiles_per_expert
@@ -385,7 +474,12 @@ class GemmEntryPoints:
     tokens_sum). `call_tensors` has the `(stream, *inputs, *outputs)` form of
     `cutlass.jax.cutlass_call`, where shapes are static: A and B as the caller holds them
     (their data pointers are all that is used), offsets, then the output (or, in discrete mode,
-    the int64 pointer array) and the uint8 workspace.
+    the int64 pointer array) and the uint8 workspace; the status record's address is baked in
+    (`status_address`, an int).
+
+    `status_ptr`: gwgrad's status record (8 x int32, 16-byte aligned; host-mapped pinned
+    memory, to the kernels plain global memory), where the prep kernel records invalid offsets
+    (module doc).
     """
 
     @cute.jit
@@ -396,11 +490,15 @@ class GemmEntryPoints:
         offsets_ptr: cute.Pointer,
         c_ptr: cute.Pointer,
         workspace_ptr: cute.Pointer,
+        status_ptr: cute.Pointer,
         tokens_sum: Int32,
         grid_size: Int32,
         stream: cuda.CUstream,
     ):
-        self.launch(a_ptr, b_ptr, offsets_ptr, c_ptr, workspace_ptr, tokens_sum, grid_size, stream)
+        self.launch(
+            a_ptr, b_ptr, offsets_ptr, c_ptr, workspace_ptr, status_ptr, tokens_sum, grid_size,
+            stream,
+        )
 
     @cute.jit
     def call_tensors(
@@ -414,6 +512,7 @@ class GemmEntryPoints:
         *,
         tokens_sum: cutlass.Constexpr,
         grid_size: cutlass.Constexpr,
+        status_address: cutlass.Constexpr,
     ):
         ab = self.cfg.cutlass_ab_dtype
         self.launch(
@@ -422,6 +521,7 @@ class GemmEntryPoints:
             _aligned(offsets.iterator, Int32, 4),
             _aligned(c.iterator, c.element_type, 16),
             _aligned(workspace.iterator, cutlass.Uint8, 128),
+            cute.make_ptr(Int32, status_address, cute.AddressSpace.gmem, assumed_align=16),
             Int32(tokens_sum),
             Int32(grid_size),
             stream,
@@ -445,10 +545,13 @@ class GroupedWgradKernel(GemmEntryPoints):
             return cpasync.CopyReduceBulkTensorTileS2GOp()
         return cpasync.CopyBulkTensorTileS2GOp()
 
-    def launch_prep(self, mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, tiled_mma,
-                    a_smem_layout, b_smem_layout, epi_smem_layout, stream):
+    def launch_prep(self, mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status_ptr,
+                    tiled_mma, a_smem_layout, b_smem_layout, epi_smem_layout, stream):
+        status = cute.make_tensor(
+            cute.recast_ptr(status_ptr, dtype=Int32), cute.make_layout(STATUS_INT32)
+        )
         self.prep_kernel(
-            mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, tiled_mma,
+            mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status, tiled_mma,
             a_smem_layout, b_smem_layout, epi_smem_layout, self.epi_tile,
         ).launch(grid=(self.cfg.num_experts, 1, 1), block=(32, 1, 1), stream=stream)
 
@@ -461,16 +564,20 @@ class GroupedWgradKernel(GemmEntryPoints):
         tokens_sum: Int32,
         wgrad_ptrs: cute.Tensor,
         workspace_ptr: cute.Pointer,
+        status: cute.Tensor,
         tiled_mma: cute.TiledMma,
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
         epi_smem_layout: cute.ComposedLayout,
         epi_tile: cute.Tile,
     ):
-        """One warp per expert: range, rank, and the expert's TMA descriptors."""
+        """One warp per expert: range, rank, and the expert's TMA descriptors; block 0 also
+        checks the offsets (verdict and status record)."""
         cfg = self.cfg
         ws = Workspace(cfg, workspace_ptr)
         expert = cute.arch.block_idx()[0]
+        if expert == 0:
+            check_offsets(cfg, offsets, tokens_sum, ws, status)
         begin, end = write_ranges_and_order(cfg, offsets, tokens_sum, ws)
         a_e = expert_operand_view(mA, cfg.hidden, cfg.a_ragged_block, begin, end)
         b_e = expert_operand_view(mB, cfg.intermediate, cfg.b_ragged_block, begin, end)

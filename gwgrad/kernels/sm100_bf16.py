@@ -1,8 +1,8 @@
 """Blackwell (SM100 family) grouped weight-gradient GEMM: W[e] = A[:, tokens_e] @ B[tokens_e, :].
 
 Work decomposition: units of (expert, cluster m-tile, n-tile) in the longest-first order of
-kernels/common.py, whose prep kernel (shared with SM90) writes the per-expert token ranges and
-TMA descriptors before this kernel runs. The grid has one cluster per unit; cluster launch
+kernels/common.py, whose prep kernel (shared with SM90) checks the offsets and writes the
+per-expert token ranges and TMA descriptors before this kernel runs. The grid has one cluster per unit; cluster launch
 control (CLC) turns it into a dynamic persistent schedule: a running cluster cancels the next
 not-yet-launched cluster and takes its unit, so clusters that drew short units take more of
 them and the hot experts' long units, handed out first, do not leave SMs idle at the end.
@@ -25,6 +25,12 @@ Warp roles (224 threads per CTA), as in the CuTe DSL Blackwell examples
 Pipelines: ab (TMA -> UMMA, transaction mbarriers), acc (UMMA -> epilogue, TMEM stages), clc
 (CLC response -> every warp), and the epilogue's TMA store groups.
 
+Invalid offsets: every thread of every CTA first reads the prep kernel's verdict (workspace
+byte 4; the prep kernel finished first, by stream order). When it is 0 every CTA exits at
+once, before any mbarrier init, cluster barrier, TMEM allocation or CLC query: all CTAs of a
+cluster leave the same way, no CTA waits on one that left, no cluster is cancelled (each of
+the grid's clusters launches and exits), and no output byte is written.
+
 How each SM100-only part was checked without Blackwell hardware (tests/test_compile_sm100.py
 compiles every mode and every tile x cluster for sm_100a / sm_103a and asserts on the PTX):
   tcgen05 MMA      tcgen05.mma present; cta_group::2 exactly when the tile has 256 rows
@@ -33,17 +39,22 @@ compiles every mode and every tile x cluster for sm_100a / sm_103a and asserts o
   CLC schedule     clusterlaunchcontrol.try_cancel present; consumer counts as in the example
   TMA multicast    multicast::cluster loads whenever the cluster has more than one CTA
   stores           cp.reduce.async.bulk.tensor .add exactly when accumulating
+  offsets check    prep kernel: system-scope atom.cas on the status record and system-scope
+                   fences; GEMM: its first global load is the verdict and a branch on it comes
+                   before any mbarrier init, cluster barrier, tcgen05.alloc or CLC query
 The pipelines, warp roles and TMEM handshakes follow the two examples named above line for
 line. Shared with the SM90 kernel and so exercised on the H200: the prep kernel (ranges,
 order, per-expert descriptors), the unit order and raster, the epilogue decisions and the
 argument plumbing. Unverified until a Blackwell GPU runs tests/test_sm100_kernel_gpu.py:
-numerical results, the CLC and 2-CTA runtime behaviour, and performance.
+numerical results, the CLC and 2-CTA runtime behaviour, and performance. The offsets check
+and the skip on invalid offsets have not run on any GPU yet (SM90 included).
 """
 
 # No `from __future__ import annotations`: the shared-storage struct built in launch() needs
 # its annotations evaluated.
 
-from typing import Tuple
+import enum
+from typing import Optional, Tuple
 
 import cutlass
 import cutlass.cute as cute
@@ -75,47 +86,41 @@ from .common import (
     tma_desc_ptr_for_copy,
     token_origin,
 )
+from .tiling import sm100_cta_tile_m, sm100_problem
 
-SMEM_CAPACITY = 232448  # 227 KiB per CTA on SM100
+SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_100")  # 227 KiB per CTA
 CLC_RESPONSE_BYTES = 16
 
-EPILOGUE_WARPS = (0, 1, 2, 3)
-MMA_WARP = 4
-TMA_WARP = 5
-SCHED_WARP = 6
-BAR_EPI = 1
-BAR_TMEM_ALLOC = 2
+NUM_EPI_WARPS = 4
 
 
-def sm100_cta_tile_m(mma_tiler_mn: Tuple[int, int]) -> int:
-    """Rows of one CTA's share of an MMA tile (a 256-row tile spans a CTA pair)."""
-    return mma_tiler_mn[0] // (2 if mma_tiler_mn[0] == 256 else 1)
+class WarpRole(enum.IntEnum):
+    """The first warp of each role (warp index in the CTA)."""
+
+    EPILOGUE = 0  # warps 0..NUM_EPI_WARPS-1: TMEM -> output; the first allocates TMEM and
+    #               issues the TMA stores
+    MMA = 4  # tcgen05.mma (the leader CTA's of a pair issues it)
+    TMA = 5  # TMA loads of A and B
+    SCHEDULER = 6  # CLC queries (first CTA of the cluster)
 
 
-def check_sm100_tiling(mma_tiler_mn: Tuple[int, int], cluster_shape_mn: Tuple[int, int]) -> None:
-    m, n = mma_tiler_mn
-    cm, cn = cluster_shape_mn
-    if m not in (128, 256):
-        raise ValueError(f"mma_tiler_mn: tile M must be 128 or 256 on SM100, got {m}")
-    if n < 64 or n > 256 or n % 32 != 0:
-        raise ValueError(f"mma_tiler_mn: tile N must be a multiple of 32 in [64, 256], got {n}")
-    if cn != 1 or cm not in (1, 2, 4):
-        raise ValueError(
-            f"cluster_shape_mn: expected (1, 1), (2, 1) or (4, 1) (clusters along M), got {(cm, cn)}"
-        )
-    if m == 256 and cm % 2 != 0:
-        raise ValueError(
-            f"cluster_shape_mn: a 256-row tile runs as a 2-CTA MMA and needs an even cluster M, got {(cm, cn)}"
-        )
+NUM_WARPS = NUM_EPI_WARPS + 3
+
+
+class Barrier(enum.IntEnum):
+    """Named barrier ids (0 is __syncthreads)."""
+
+    EPI = 1  # the epilogue warps
+    TMEM_ALLOC = 2  # the epilogue warps and the MMA warp: TMEM address handed over
 
 
 class Sm100GroupedWgrad(GroupedWgradKernel):
     """One compiled kernel per ProblemConfig (its tile_m is the cluster's M extent)."""
 
     def __init__(self, cfg: ProblemConfig, mma_tiler_mn: Tuple[int, int]):
-        check_sm100_tiling(mma_tiler_mn, (cfg.cluster_m, cfg.cluster_n))
-        if cfg.tile_m != sm100_cta_tile_m(mma_tiler_mn) * cfg.cluster_m or cfg.tile_n != mma_tiler_mn[1]:
-            raise ValueError("internal: the unit tile must be the cluster's tile")
+        reason = self.can_implement(cfg, mma_tiler_mn)
+        if reason is not None:
+            raise ValueError(f"{reason[0]}: {reason[1]}")
         self.cfg = cfg
         self.mma_tiler_mn = tuple(mma_tiler_mn)
         self.use_2cta_instrs = mma_tiler_mn[0] == 256
@@ -124,9 +129,25 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         self.ab_dtype = cfg.cutlass_ab_dtype
         self.c_dtype = cfg.cutlass_c_dtype
         self.cta_group = tcgen05.CtaGroup.TWO if self.use_2cta_instrs else tcgen05.CtaGroup.ONE
-        self.threads_per_cta = 32 * (len(EPILOGUE_WARPS) + 3)
-        self.num_acc_stage = 2
+        self.num_threads = 32 * NUM_WARPS
+        self.num_epi_threads = 32 * NUM_EPI_WARPS
+        self.acc_stage = 2
         self.arch = "sm_100"
+
+    @staticmethod
+    def can_implement(
+        cfg: ProblemConfig, mma_tiler_mn: Tuple[int, int]
+    ) -> Optional[Tuple[str, str]]:
+        """(argument, detail) of the first reason this kernel cannot run `cfg`, or None.
+        (cfg.epi_tile_n is not used: the epilogue tile is the DSL's choice for the MMA tile.)"""
+        problem = sm100_problem(tuple(mma_tiler_mn), (cfg.cluster_m, cfg.cluster_n))
+        if problem is not None:
+            return problem
+        if (cfg.tile_m != sm100_cta_tile_m(mma_tiler_mn) * cfg.cluster_m
+                or cfg.tile_n != mma_tiler_mn[1]):
+            return ("mma_tiler_mn", f"internal: the unit tile {cfg.tile_m}x{cfg.tile_n} must be "
+                                    f"the cluster's tile for {tuple(mma_tiler_mn)}")
+        return None
 
     # ------------------------------------------------------------------------------------
     # host side
@@ -167,26 +188,26 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         ab_bytes = cute.size_in_bytes(self.ab_dtype, a_one) + cute.size_in_bytes(self.ab_dtype, b_one)
         c_bytes = cute.size_in_bytes(self.c_dtype, c_smem_one)
         reserved = 1024
-        self.num_c_stage = 2
-        self.num_ab_stage = (SMEM_CAPACITY - reserved - self.num_c_stage * c_bytes) // ab_bytes
-        self.num_c_stage += (
-            SMEM_CAPACITY - reserved - self.num_ab_stage * ab_bytes - self.num_c_stage * c_bytes
+        self.epi_stage = 2
+        self.ab_stage = (SMEM_CAPACITY - reserved - self.epi_stage * c_bytes) // ab_bytes
+        self.epi_stage += (
+            SMEM_CAPACITY - reserved - self.ab_stage * ab_bytes - self.epi_stage * c_bytes
         ) // c_bytes
         self.a_smem_layout_staged = sm100_utils.make_smem_layout_a(
-            tiled_mma, self.mma_tiler, self.ab_dtype, self.num_ab_stage
+            tiled_mma, self.mma_tiler, self.ab_dtype, self.ab_stage
         )
         self.b_smem_layout_staged = sm100_utils.make_smem_layout_b(
-            tiled_mma, self.mma_tiler, self.ab_dtype, self.num_ab_stage
+            tiled_mma, self.mma_tiler, self.ab_dtype, self.ab_stage
         )
-        self.c_smem_layout_staged = sm100_utils.make_smem_layout_epi(
-            self.c_dtype, self.c_layout, self.epi_tile, self.num_c_stage
+        self.epi_smem_layout_staged = sm100_utils.make_smem_layout_epi(
+            self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage
         )
         acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
-        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.acc_stage))
         self.num_tmem_alloc_cols = get_num_tmem_alloc_cols(tCtAcc_fake)
         a_copy = cute.size_in_bytes(self.ab_dtype, cute.slice_(self.a_smem_layout_staged, (None, None, None, 0)))
         b_copy = cute.size_in_bytes(self.ab_dtype, cute.slice_(self.b_smem_layout_staged, (None, None, None, 0)))
-        self.num_tma_load_bytes = (a_copy + b_copy) * atom_thr
+        self.tma_bytes = (a_copy + b_copy) * atom_thr
         return tiled_mma
 
     def _load_ops(self, tiled_mma):
@@ -201,7 +222,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             t.iterator, cute.make_layout((*t.shape, 1), stride=(*t.stride, 0))
         )
 
-    def launch(self, a_ptr, b_ptr, offsets_ptr, c_ptr, workspace_ptr, tokens_sum, grid_size, stream):
+    def launch(self, a_ptr, b_ptr, offsets_ptr, c_ptr, workspace_ptr, status_ptr, tokens_sum,
+               grid_size, stream):
         """Prep + GEMM on `stream`. `grid_size` is unused: CLC needs one cluster per unit."""
         cfg = self.cfg
         tiled_mma = self._setup()
@@ -210,7 +232,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         offsets = cute.make_tensor(offsets_ptr, cute.make_layout(cfg.num_experts))
         a_smem_layout = cute.slice_(self.a_smem_layout_staged, (None, None, None, 0))
         b_smem_layout = cute.slice_(self.b_smem_layout_staged, (None, None, None, 0))
-        epi_smem_layout = cute.select(self.c_smem_layout_staged, mode=[0, 1])
+        epi_smem_layout = cute.select(self.epi_smem_layout_staged, mode=[0, 1])
         a_op, b_op = self._load_ops(tiled_mma)
         tma_atom_a, tma_tensor_a = cute.nvgpu.make_tiled_tma_atom_A(
             a_op, mA, a_smem_layout, self.mma_tiler, tiled_mma, self.cluster_shape_vmnk
@@ -237,18 +259,18 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         )
 
         self.launch_prep(
-            mA2, mB2, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, tiled_mma,
+            mA2, mB2, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status_ptr, tiled_mma,
             a_smem_layout, b_smem_layout, epi_smem_layout, stream,
         )
         cluster_size = cfg.cluster_m * cfg.cluster_n
         self.kernel(
             tiled_mma, tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c,
             tma_tensor_c, wgrad_ptrs, workspace_ptr, self.cluster_layout_vmnk,
-            self.a_smem_layout_staged, self.b_smem_layout_staged, self.c_smem_layout_staged,
+            self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
             self.epi_tile,
         ).launch(
             grid=(cfg.num_units * cluster_size, 1, 1),
-            block=(self.threads_per_cta, 1, 1),
+            block=(self.num_threads, 1, 1),
             cluster=(*self.cluster_shape_mn, 1),
             min_blocks_per_mp=1,
             stream=stream,
@@ -288,15 +310,34 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         cluster_layout_vmnk: cute.Layout,
         a_smem_layout_staged: cute.ComposedLayout,
         b_smem_layout_staged: cute.ComposedLayout,
-        c_smem_layout_staged: cute.ComposedLayout,
+        epi_smem_layout_staged: cute.ComposedLayout,
         epi_tile: cute.Tile,
     ):
+        ws = Workspace(self.cfg, workspace_ptr)
+        # The prep kernel's offsets verdict (it ran before this kernel on the stream). Every
+        # thread of every CTA reads it first: with invalid offsets every CTA of every cluster
+        # exits before any cluster barrier, mbarrier init, TMEM allocation or CLC query, so
+        # the protocols stay consistent (no CTA waits on a peer that left), no cluster is
+        # cancelled (each launched cluster exits at once) and nothing is stored.
+        if ws.verdict[0] != 0:
+            self.gemm_cta(
+                tiled_mma, tma_atom_a, mA_coord, tma_atom_b, mB_coord, tma_atom_c, mC_coord,
+                wgrad_ptrs, ws, cluster_layout_vmnk, a_smem_layout_staged, b_smem_layout_staged,
+                epi_smem_layout_staged, epi_tile,
+            )
+
+    @cute.jit
+    def gemm_cta(
+        self, tiled_mma, tma_atom_a, mA_coord, tma_atom_b, mB_coord, tma_atom_c, mC_coord,
+        wgrad_ptrs, ws, cluster_layout_vmnk, a_smem_layout_staged, b_smem_layout_staged,
+        epi_smem_layout_staged, epi_tile,
+    ):
+        """One CTA's whole work (valid offsets only)."""
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         use_2cta_instrs = cute.size(tiled_mma.thr_id.shape) == 2
         atom_thr = cute.size(tiled_mma.thr_id.shape)
-        ws = Workspace(cfg, workspace_ptr)
 
         bidx, _, _ = cute.arch.block_idx()
         mma_tile_coord_v = bidx % atom_thr
@@ -308,8 +349,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
 
         @cute.struct
         class SharedStorage:
-            ab_full_mbar_ptr: cute.struct.MemRange[Int64, self.num_ab_stage * 2]
-            acc_full_mbar_ptr: cute.struct.MemRange[Int64, self.num_acc_stage * 2]
+            ab_full_mbar_ptr: cute.struct.MemRange[Int64, self.ab_stage * 2]
+            acc_full_mbar_ptr: cute.struct.MemRange[Int64, self.acc_stage * 2]
             clc_mbar_ptr: cute.struct.MemRange[Int64, 2]
             clc_response: cute.struct.Align[cute.struct.MemRange[Int32, 4], CLC_RESPONSE_BYTES]
             tmem_dealloc_mbar: Int64
@@ -320,21 +361,21 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
 
         ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
             barrier_storage=storage.ab_full_mbar_ptr.data_ptr(),
-            num_stages=self.num_ab_stage,
+            num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, self.num_mcast_ctas_a + self.num_mcast_ctas_b - 1
             ),
-            tx_count=self.num_tma_load_bytes,
+            tx_count=self.tma_bytes,
             cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True,
         ).make_participants()
         acc_pipeline = pipeline.PipelineUmmaAsync.create(
             barrier_storage=storage.acc_full_mbar_ptr.data_ptr(),
-            num_stages=self.num_acc_stage,
+            num_stages=self.acc_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 32 * len(EPILOGUE_WARPS) * (2 if use_2cta_instrs else 1)
+                pipeline.Agent.Thread, self.num_epi_threads * (2 if use_2cta_instrs else 1)
             ),
             cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True,
@@ -346,7 +387,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             # The scheduler warp of the first CTA, plus TMA, MMA and epilogue warps of every CTA.
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 32 * (1 + cluster_size * (2 + len(EPILOGUE_WARPS)))
+                pipeline.Agent.Thread, 32 * (1 + cluster_size * (2 + NUM_EPI_WARPS))
             ),
             tx_count=CLC_RESPONSE_BYTES,
             cta_layout_vmnk=cluster_layout_vmnk,
@@ -355,9 +396,9 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         tmem = TmemAllocator(
             storage.tmem_holding_buf.ptr,
             barrier_for_retrieve=pipeline.NamedBarrier(
-                barrier_id=BAR_TMEM_ALLOC, num_threads=32 * (1 + len(EPILOGUE_WARPS))
+                barrier_id=int(Barrier.TMEM_ALLOC), num_threads=self.num_epi_threads + 32
             ),
-            allocator_warp_id=EPILOGUE_WARPS[0],
+            allocator_warp_id=int(WarpRole.EPILOGUE),
             is_two_cta=use_2cta_instrs,
             two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
         )
@@ -383,7 +424,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         tCrA = tiled_mma.make_fragment_A(sA)
         tCrB = tiled_mma.make_fragment_B(sB)
         acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
-        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.acc_stage))
         thr_mma = tiled_mma.get_slice(mma_tile_coord_v)
         a_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape)
         b_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape)
@@ -397,7 +438,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         valid = cutlass.Boolean(True)
 
         # ---------------- scheduler warp: CLC queries ----------------
-        if warp_idx == SCHED_WARP:
+        if warp_idx == WarpRole.SCHEDULER:
             if is_first_cta_in_cluster:
                 clc_prod = pipeline.make_pipeline_state(
                     pipeline.PipelineUserType.ProducerConsumer, 1
@@ -416,7 +457,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                 clc_pipeline.producer_tail(clc_prod)
 
         # ---------------- TMA warp ----------------
-        if warp_idx == TMA_WARP:
+        if warp_idx == WarpRole.TMA:
             last_expert = Int32(-1)
             while valid:
                 expert, unit_m, unit_n, begin, k_tiles = decode_unit(cfg, unit, ws)
@@ -472,12 +513,12 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             ab_producer.tail()
 
         # ---------------- MMA warp ----------------
-        if warp_idx == MMA_WARP:
+        if warp_idx == WarpRole.MMA:
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
             tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
             acc_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Producer, self.num_acc_stage
+                pipeline.PipelineUserType.Producer, self.acc_stage
             )
             while valid:
                 expert, unit_m, unit_n, begin, k_tiles = decode_unit(cfg, unit, ws)
@@ -510,26 +551,26 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             acc_pipeline.producer_tail(acc_state)
 
         sC = smem.allocate_tensor(
-            element_type=self.c_dtype, layout=c_smem_layout_staged.outer,
-            byte_alignment=128, swizzle=c_smem_layout_staged.inner,
+            element_type=self.c_dtype, layout=epi_smem_layout_staged.outer,
+            byte_alignment=128, swizzle=epi_smem_layout_staged.inner,
         )
 
         # ---------------- epilogue warps ----------------
-        if warp_idx < MMA_WARP:
+        if warp_idx < WarpRole.EPILOGUE + NUM_EPI_WARPS:
             tmem.allocate(self.num_tmem_alloc_cols)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
             tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
             acc_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.num_acc_stage
+                pipeline.PipelineUserType.Consumer, self.acc_stage
             )
             c_pipeline = pipeline.PipelineTmaStore.create(
-                num_stages=self.num_c_stage,
+                num_stages=self.epi_stage,
                 producer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, 32 * len(EPILOGUE_WARPS)
+                    pipeline.Agent.Thread, self.num_epi_threads
                 ),
             )
-            epi_bar = pipeline.NamedBarrier(barrier_id=BAR_EPI, num_threads=32 * len(EPILOGUE_WARPS))
+            epi_bar = pipeline.NamedBarrier(barrier_id=int(Barrier.EPI), num_threads=self.num_epi_threads)
             tCtAcc_transformed = transform_partitioned_tensor_layout(tCtAcc_base)
             gC_mnl = cute.local_tile(
                 mC_coord, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
@@ -568,7 +609,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                         )
                     else:
                         bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, 0)]
-                        if warp_idx == EPILOGUE_WARPS[0]:
+                        if warp_idx == WarpRole.EPILOGUE:
                             cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_C))
                         desc_c = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_C))
                         self.store_tile(
@@ -616,12 +657,12 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                 cute.copy(tiled_copy_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
                 acc_vec = tiled_copy_r2s.retile(tTR_rAcc).load()
             tRS_rC.store(acc_vec.to(self.c_dtype))
-            buf = (first + sub) % self.num_c_stage
+            buf = (first + sub) % self.epi_stage
             cute.copy(tiled_copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
             # Register -> shared writes (generic proxy) before the TMA store (async proxy).
             cute.arch.fence_proxy("async.shared", space="cta")
             epi_bar.arrive_and_wait()
-            if warp_idx == EPILOGUE_WARPS[0]:
+            if warp_idx == WarpRole.EPILOGUE:
                 if cutlass.const_expr(desc_c is None):
                     cute.copy(tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, sub)])
                 else:

@@ -1,8 +1,13 @@
 """Hopper (SM90) grouped weight-gradient GEMM: W[e] = A[:, tokens_e] @ B[tokens_e, :].
 
 Work decomposition: units of (expert, m-tile, n-tile), longest experts first, handed out
-dynamically (see kernels/common.py for the unit order, the per-expert K ranges and the
-workspace the prep kernel writes before this kernel runs).
+dynamically (see kernels/common.py for the unit order, the per-expert K ranges, the offsets
+check and the workspace the prep kernel writes before this kernel runs).
+
+Invalid offsets: every thread first reads the prep kernel's verdict (workspace byte 4; the
+prep kernel finished before this kernel started, by stream order). When it is 0 the whole CTA
+skips everything, shared-memory setup and barrier init included: no loads, no MMA, no store,
+so the output (dense or discrete, accumulated or not) keeps every byte it had.
 
 Warp roles (384 threads, one CTA per SM, persistent):
   warp group 0   producer. Warp 0 takes units (its block index first, then an atomic counter),
@@ -26,13 +31,19 @@ stmatrix in (64|128) x 64 sub-tiles (x 32 for FP32) and stored with TMA: a plain
 (`cp.reduce.async.bulk.tensor .add`) when accumulating; dense outputs use one (hidden,
 intermediate, E) descriptor, discrete outputs the expert's descriptor from the workspace.
 An empty expert stores zeros, or nothing when accumulating.
+
+Verified: the GEMM's numbers and speed on an H200 (tests/test_sm90_kernel_gpu.py, the
+benchmarks), for the kernel as it was before the offsets check. The offsets check (verdict, status record) and
+the skip on invalid offsets are compile-checked only (tests/test_compile_sm90.py asserts the
+system-scope CAS and fence in the prep kernel and the verdict load and branch at the start of
+this kernel); they have not run on a GPU yet.
 """
 
 # No `from __future__ import annotations`: the shared-storage struct built in launch() needs
 # its annotations evaluated.
 
-import os
-from typing import Tuple
+import enum
+from typing import Optional, Tuple
 
 import cutlass
 import cutlass.cute as cute
@@ -62,55 +73,95 @@ from .common import (
     unit_tile_coords,
 )
 
-SMEM_CAPACITY = 232448  # 227 KiB usable per CTA on SM90
+SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_90")  # 227 KiB per CTA
 SCHED_STAGES = 4
-# Columns of one epilogue sub-tile (rows: 128 cooperative, 64 pingpong): 64 for 16-bit
-# outputs (half the barrier rounds of 32: +2-4% on the H200 benchmark rows), 32 for FP32 so
-# that the staging buffers leave four A/B stages. GWGRAD_SM90_EPI_N overrides it, a tuning
-# knob for benchmarks only (operators compiled in one process share one value).
-EPI_TILE_N_OVERRIDE = int(os.environ.get("GWGRAD_SM90_EPI_N", "0"))
+SMEM_RESERVED = 2048  # mbarriers, the unit ring, alignment
+MAX_AB_STAGE = 8
 
-# Named barrier ids (0 is __syncthreads).
-BAR_EPI = 1  # cooperative: both consumer groups; pingpong: + warp group (1, 2)
-BAR_MMA_ORDER = 3  # pingpong: + warp group (3, 4)
-BAR_EPI_ORDER = 5  # pingpong: + warp group (5, 6)
+WARP_GROUP_THREADS = 128
+
+
+class WarpRole(enum.IntEnum):
+    """Warps with a role of their own (warp index in the CTA)."""
+
+    TMA = 0  # warp group 0's first warp: takes units, publishes them, issues the TMA loads
+    MMA = 4  # first warp of the consumer warp groups (1-2: WGMMA + epilogue); the first warp
+    #          of each consumer group issues its TMA stores
+
+
+class Barrier(enum.IntEnum):
+    """Named barrier ids (0 is __syncthreads); pingpong uses id + consumer group (0 or 1)."""
+
+    EPI = 1  # the epilogue's threads: both consumer groups (cooperative), or one (1, 2)
+    MMA_ORDER = 3  # pingpong: the tensor cores pass from one group to the other (3, 4)
+    EPI_ORDER = 5  # pingpong: the epilogue staging buffers pass likewise (5, 6)
 
 
 class Sm90GroupedWgrad(GroupedWgradKernel):
     """One compiled kernel per ProblemConfig; entry points in GemmEntryPoints."""
 
     def __init__(self, cfg: ProblemConfig):
+        reason = self.can_implement(cfg)
+        if reason is not None:
+            raise ValueError(f"{reason[0]}: {reason[1]}")
         self.cfg = cfg
         self.pingpong = cfg.schedule == "pingpong"
         self.acc_dtype = cutlass.Float32
         self.ab_dtype = cfg.cutlass_ab_dtype
         self.c_dtype = cfg.cutlass_c_dtype
         self.tile_shape_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
-        self.num_threads = 384
-        self.num_mma_threads = 256
+        self.num_threads = 3 * WARP_GROUP_THREADS  # a producer group, two consumer groups
+        self.num_mma_threads = 2 * WARP_GROUP_THREADS
         self.load_regs = 40
         self.mma_regs = 232
+
+    # ------------------------------------------------------------------------------------
+    # what a config can run (pure host code, no tracing)
+    # ------------------------------------------------------------------------------------
+    @staticmethod
+    def epilogue_plan(cfg: ProblemConfig) -> Tuple[Tuple[int, int], int, int]:
+        """(epi_tile, epi_stage, ab_stage) of a config.
+
+        Epilogue sub-tile: 128 rows cooperative, 64 pingpong; columns cfg.epi_tile_n, or by
+        default 64 for 16-bit outputs (half the barrier rounds of 32: +2-4% on the H200
+        benchmark rows) and 32 for FP32, so that the staging buffers leave four A/B stages.
+        The A/B ring takes what shared memory the epilogue buffers leave."""
+        c_width = cfg.cutlass_c_dtype.width
+        epi_n = min(cfg.epi_tile_n or (64 if c_width == 16 else 32), cfg.tile_n)
+        epi_m = min(64 if cfg.schedule == "pingpong" else 128, cfg.tile_m)
+        epi_stage = 4 if c_width == 16 else 2
+        ab_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * cfg.cutlass_ab_dtype.width // 8
+        c_bytes = epi_m * epi_n * c_width // 8
+        ab_stage = (SMEM_CAPACITY - SMEM_RESERVED - epi_stage * c_bytes) // ab_bytes
+        return (epi_m, epi_n), epi_stage, min(ab_stage, MAX_AB_STAGE)
+
+    @staticmethod
+    def can_implement(cfg: ProblemConfig) -> Optional[Tuple[str, str]]:
+        """(argument, detail) of the first reason this kernel cannot run `cfg`, or None."""
+        pingpong = cfg.schedule == "pingpong"
         if cfg.cluster_m != 1 or cfg.cluster_n != 1:
-            raise ValueError(
-                f"cluster_shape_mn: the SM90 kernel runs 1x1 clusters, got ({cfg.cluster_m}, {cfg.cluster_n})"
-            )
+            return ("cluster_shape_mn",
+                    f"the SM90 kernel runs 1x1 clusters, got ({cfg.cluster_m}, {cfg.cluster_n})")
         # Each consumer warp group's accumulator must fit its registers.
-        acc_per_thread = cfg.tile_m * cfg.tile_n // (128 if self.pingpong else 256)
+        acc_per_thread = cfg.tile_m * cfg.tile_n // (128 if pingpong else 256)
         if acc_per_thread > 128:
-            raise ValueError(
-                f"mma_tiler_mn: {cfg.tile_m}x{cfg.tile_n} needs {acc_per_thread} accumulator "
-                f"registers per thread with the {cfg.schedule} schedule; at most 128 fit"
-            )
-        if self.pingpong:
-            if cfg.tile_m not in (64, 128) or cfg.tile_n not in (64, 128, 192, 256):
-                raise ValueError(
-                    f"mma_tiler_mn: pingpong tiles are 64|128 x 64..256, got {cfg.tile_m}x{cfg.tile_n}"
-                )
-        else:
-            if cfg.tile_m not in (128, 256) or cfg.tile_n not in (64, 128, 192, 256):
-                raise ValueError(
-                    f"mma_tiler_mn: cooperative tiles are 128|256 x 64..256, got {cfg.tile_m}x{cfg.tile_n}"
-                )
+            return ("mma_tiler_mn",
+                    f"{cfg.tile_m}x{cfg.tile_n} needs {acc_per_thread} accumulator registers per "
+                    f"thread with the {cfg.schedule} schedule; at most 128 fit")
+        rows = (64, 128) if pingpong else (128, 256)
+        if cfg.tile_m not in rows or cfg.tile_n not in (64, 128, 192, 256):
+            return ("mma_tiler_mn",
+                    f"{cfg.schedule} tiles are {rows[0]}|{rows[1]} x 64..256, got "
+                    f"{cfg.tile_m}x{cfg.tile_n}")
+        epi_tile, _, ab_stage = Sm90GroupedWgrad.epilogue_plan(cfg)
+        if cfg.epi_tile_n and (cfg.epi_tile_n % 32 or cfg.tile_n % epi_tile[1]):
+            return ("epi_tile_n",
+                    f"expected a multiple of 32 that divides the tile's {cfg.tile_n} columns "
+                    f"(or 0: the default), got {cfg.epi_tile_n}")
+        if ab_stage < 2:
+            return ("mma_tiler_mn",
+                    f"{cfg.tile_m}x{cfg.tile_n} leaves < 2 pipeline stages in shared memory")
+        return None
 
     # ------------------------------------------------------------------------------------
     # host side
@@ -131,19 +182,8 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             atom_layout,
             tiler_mn=(64, cfg.tile_n),
         )
-        epi_n = EPI_TILE_N_OVERRIDE or (64 if self.c_dtype.width == 16 else 32)
-        epi_n = min(epi_n, cfg.tile_n)
-        self.epi_tile = (
-            (min(64, cfg.tile_m), epi_n) if self.pingpong else (min(128, cfg.tile_m), epi_n)
-        )
+        self.epi_tile, self.epi_stage, self.ab_stage = self.epilogue_plan(cfg)
         ab_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * self.ab_dtype.width // 8
-        c_bytes = self.epi_tile[0] * self.epi_tile[1] * self.c_dtype.width // 8
-        self.epi_stage = 4 if self.c_dtype.width == 16 else 2
-        reserved = 2048  # mbarriers, the unit ring, alignment
-        self.ab_stage = (SMEM_CAPACITY - reserved - self.epi_stage * c_bytes) // ab_bytes
-        if self.ab_stage < 2:
-            raise ValueError(f"mma_tiler_mn: {cfg.tile_m}x{cfg.tile_n} leaves < 2 pipeline stages")
-        self.ab_stage = min(self.ab_stage, 8)
 
         self.a_smem_layout_staged = sm90_utils.make_smem_layout_a(
             a_layout, self.tile_shape_mnk, self.ab_dtype, self.ab_stage
@@ -156,7 +196,8 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         )
         self.tma_bytes = ab_bytes
 
-    def launch(self, a_ptr, b_ptr, offsets_ptr, c_ptr, workspace_ptr, tokens_sum, grid_size, stream):
+    def launch(self, a_ptr, b_ptr, offsets_ptr, c_ptr, workspace_ptr, status_ptr, tokens_sum,
+               grid_size, stream):
         """Launch prep + GEMM on `stream` (traced inside the entry points of GemmEntryPoints).
         `c_ptr` is the dense output, or in discrete mode the int64 array of per-expert output
         addresses."""
@@ -190,7 +231,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         )
 
         self.launch_prep(
-            mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, self.tiled_mma,
+            mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status_ptr, self.tiled_mma,
             a_smem_layout, b_smem_layout, epi_smem_layout, stream,
         )
 
@@ -254,11 +295,25 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         b_smem_layout_staged: cute.ComposedLayout,
         epi_smem_layout_staged: cute.ComposedLayout,
     ):
-        cfg = self.cfg
+        ws = Workspace(self.cfg, workspace_ptr)
+        # The prep kernel's offsets verdict (it ran before this kernel on the stream). Every
+        # thread reads it before touching shared memory, barriers or the output: with invalid
+        # offsets the whole CTA exits at once, so no store and no half-initialized pipeline.
+        if ws.verdict[0] != 0:
+            self.gemm_cta(
+                tma_atom_a, mA_coord, tma_atom_b, mB_coord, tma_atom_c, mC_coord, wgrad_ptrs, ws,
+                tiled_mma, a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged,
+            )
+
+    @cute.jit
+    def gemm_cta(
+        self, tma_atom_a, mA_coord, tma_atom_b, mB_coord, tma_atom_c, mC_coord, wgrad_ptrs, ws,
+        tiled_mma, a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged,
+    ):
+        """One CTA's whole work (valid offsets only)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
-        ws = Workspace(cfg, workspace_ptr)
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // WARP_GROUP_THREADS)
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -295,7 +350,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
 
         if warp_group_idx == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
-            if warp_idx == 0:
+            if warp_idx == WarpRole.TMA:
                 self.producer(
                     tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB,
                     ab_pipeline, sched_pipeline, sched_slots, ws,
@@ -419,13 +474,17 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     ):
         cfg = self.cfg
         # Thread index inside the tiled MMA: both groups (cooperative) or one (pingpong).
-        mma_tidx = tidx - 128
-        epi_bar = pipeline.NamedBarrier(barrier_id=BAR_EPI, num_threads=256)
-        store_warp = 4  # first consumer warp issues the TMA stores
+        mma_tidx = tidx - WARP_GROUP_THREADS
+        epi_bar = pipeline.NamedBarrier(
+            barrier_id=int(Barrier.EPI), num_threads=self.num_mma_threads
+        )
+        store_warp = int(WarpRole.MMA)  # the first consumer warp issues the TMA stores
         if cutlass.const_expr(self.pingpong):
-            mma_tidx = tidx % 128
-            epi_bar = pipeline.NamedBarrier(barrier_id=BAR_EPI + mma_group, num_threads=128)
-            store_warp = 4 + 4 * mma_group
+            mma_tidx = tidx % WARP_GROUP_THREADS
+            epi_bar = pipeline.NamedBarrier(
+                barrier_id=int(Barrier.EPI) + mma_group, num_threads=WARP_GROUP_THREADS
+            )
+            store_warp = int(WarpRole.MMA) + 4 * mma_group
         thr_mma = tiled_mma.get_slice(mma_tidx)
         tile_mn = cute.slice_(self.tile_shape_mnk, (None, None, 0))
 
@@ -454,7 +513,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         store_pipeline = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stage,
             producer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 128 if self.pingpong else 256
+                pipeline.Agent.Thread, WARP_GROUP_THREADS if self.pingpong else self.num_mma_threads
             ),
         )
 
@@ -466,10 +525,12 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         ab_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         ab_release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-        mma_order_self = pipeline.NamedBarrier(barrier_id=BAR_MMA_ORDER + mma_group, num_threads=256)
-        mma_order_peer = pipeline.NamedBarrier(barrier_id=BAR_MMA_ORDER + 1 - mma_group, num_threads=256)
-        epi_order_self = pipeline.NamedBarrier(barrier_id=BAR_EPI_ORDER + mma_group, num_threads=256)
-        epi_order_peer = pipeline.NamedBarrier(barrier_id=BAR_EPI_ORDER + 1 - mma_group, num_threads=256)
+        # Pingpong hand-offs: both consumer groups meet at each (one arrives, one waits).
+        both = self.num_mma_threads
+        mma_order_self = pipeline.NamedBarrier(int(Barrier.MMA_ORDER) + mma_group, both)
+        mma_order_peer = pipeline.NamedBarrier(int(Barrier.MMA_ORDER) + 1 - mma_group, both)
+        epi_order_self = pipeline.NamedBarrier(int(Barrier.EPI_ORDER) + mma_group, both)
+        epi_order_peer = pipeline.NamedBarrier(int(Barrier.EPI_ORDER) + 1 - mma_group, both)
         is_store_warp = warp_idx == store_warp
 
         unit, expert, k_tiles, sched_state = self.take(sched_pipeline, sched_state, sched_slots)
@@ -562,7 +623,6 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         if k_tiles > 0:
             ab_pipeline.consumer_release(ab_release)
             ab_release.advance()
-            ab_release = ab_release
         # Returned so that the caller's loop carries the advanced states: the DSL only threads
         # values rebound in the loop body itself, not attributes changed inside a helper.
         return ab_read, ab_release

@@ -1,0 +1,65 @@
+"""Which tilings each kernel implements: pure predicates, no CuTe DSL import.
+
+The backends' ``check_support`` (and through it ``compile``), the reference backend (so that a
+tiling that no GPU kernel runs is rejected on the CPU too) and the tests use these; the kernel
+modules import them rather than restating the rules.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+Pair = Tuple[int, int]
+
+#: SM90 (mma_tiler_mn) -> schedule. 128x128 and 64xN tiles run one tile per consumer warp
+#: group (pingpong); 128x256, 256x128 and 128x192 split one tile over both (cooperative).
+SM90_TILES = {
+    (128, 256): "cooperative",
+    (256, 128): "cooperative",
+    (128, 192): "cooperative",
+    (128, 128): "pingpong",
+    (64, 256): "pingpong",
+    (64, 128): "pingpong",
+}
+SM90_CLUSTERS = ((1, 1),)
+SM100_CLUSTERS = ((1, 1), (2, 1), (4, 1))
+
+
+def sm90_problem(mma_tiler_mn: Pair, cluster_shape_mn: Pair) -> Optional[Tuple[str, str]]:
+    """(argument, detail) of the first reason the SM90 kernel cannot run this tiling, or None."""
+    if tuple(mma_tiler_mn) not in SM90_TILES:
+        return "mma_tiler_mn", (f"expected one of {sorted(SM90_TILES)} on SM90, got "
+                                f"{tuple(mma_tiler_mn)}")
+    if tuple(cluster_shape_mn) not in SM90_CLUSTERS:
+        return "cluster_shape_mn", (f"expected (1, 1) on SM90 (the SM90 kernel runs 1x1 "
+                                    f"clusters), got {tuple(cluster_shape_mn)}")
+    return None
+
+
+def sm90_schedule(mma_tiler_mn: Pair) -> str:
+    return SM90_TILES[tuple(mma_tiler_mn)]
+
+
+def sm100_problem(mma_tiler_mn: Pair, cluster_shape_mn: Pair) -> Optional[Tuple[str, str]]:
+    """(argument, detail) of the first reason the SM100 kernel cannot run this tiling, or None."""
+    m, n = mma_tiler_mn
+    if m not in (128, 256):
+        return "mma_tiler_mn", f"expected tile M 128 or 256 on SM100, got {m}"
+    if n < 64 or n > 256 or n % 32 != 0:
+        return "mma_tiler_mn", f"expected tile N a multiple of 32 in [64, 256] on SM100, got {n}"
+    if tuple(cluster_shape_mn) not in SM100_CLUSTERS:
+        return "cluster_shape_mn", (f"expected (1, 1), (2, 1) or (4, 1) on SM100 (clusters "
+                                    f"along M), got {tuple(cluster_shape_mn)}")
+    if m == 256 and cluster_shape_mn[0] % 2:
+        return "cluster_shape_mn", ("expected an even cluster M for a 256-row tile (a 2-CTA "
+                                    f"MMA), got {tuple(cluster_shape_mn)}")
+    return None
+
+
+def sm100_cta_tile_m(mma_tiler_mn: Pair) -> int:
+    """Rows of one CTA's share of an MMA tile (a 256-row tile spans a CTA pair)."""
+    return mma_tiler_mn[0] // (2 if mma_tiler_mn[0] == 256 else 1)
+
+
+#: Architecture -> its tiling predicate.
+PROBLEMS = {"sm_90a": sm90_problem, "sm_100a": sm100_problem, "sm_103a": sm100_problem}

@@ -40,9 +40,13 @@ from .api import (  # noqa: E402
 )
 from .backends.base import Backend, LaunchArgs  # noqa: E402
 from .dtypes import DType  # noqa: E402
+from .errors import ArgumentError  # noqa: E402
+from .interop import as_tensor_desc, from_dlpack  # noqa: E402
 from .offsets import token_count_multiple  # noqa: E402
+from .plan import LaunchPlan, plan_for  # noqa: E402
 from .spec import StaticSpec  # noqa: E402
-from .tensors import TensorDesc, as_tensor_desc, from_dlpack, from_pointer  # noqa: E402
+from .status import check_errors  # noqa: E402
+from .tensors import TensorDesc, from_pointer  # noqa: E402
 
 __all__ = [
     "GroupedGemmWgrad",
@@ -50,6 +54,10 @@ __all__ = [
     "GroupedGemmWgradSm100",
     "grouped_gemm_wgrad_wrapper_sm100",
     "TupleDict",
+    "LaunchPlan",
+    "plan_for",
+    "check_errors",
+    "ArgumentError",
     "TensorDesc",
     "as_tensor_desc",
     "from_dlpack",

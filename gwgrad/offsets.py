@@ -1,17 +1,20 @@
-"""Rules on offsets values (and discrete output addresses), checked on the host.
+"""Rules on offsets values (and discrete output addresses).
 
 ``token_count_multiple`` is the one place that says which per-expert token counts a spec
-accepts. The values are read from host memory directly, or from device memory by one small
-copy on the call's stream in eager mode; CUDA-graph capture and ``validate_offsets=False``
-skip that copy (the kernels stay in bounds whatever the offsets hold).
+accepts (the kernels get it from here). Every CUDA launch checks the offsets on the device
+(the prep kernel; a failed check makes the GEMM write nothing and is reported through
+gwgrad/status.py); ``validate_offsets=True`` also checks them here on the host before
+launching: one small copy on the call's stream and a synchronization (skipped during CUDA-graph
+capture). Both report the same problem with the same message (``problem_detail``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 
+from .errors import ArgumentError
 from .spec import StaticSpec
 from .tensors import TensorDesc
 
@@ -39,30 +42,64 @@ def tokens_sum_multiple(spec: StaticSpec) -> int:
     return token_count_multiple(spec)
 
 
-def check_offsets_values(offsets: np.ndarray, tokens_sum: int, spec: StaticSpec,
-                         name: str = "offsets_tensor") -> None:
-    """Raise ValueError naming ``name`` unless the offsets describe ``tokens_sum`` tokens."""
+#: Verdict codes of an offsets check, shared with the kernels' prep kernel, which records the
+#: first problem it finds in gwgrad's status record (gwgrad/status.py) in the same order as
+#: ``find_problem``: a negative count first, then the last offset, then a count's multiple.
+NEGATIVE_COUNT, LAST_NOT_TOKENS_SUM, COUNT_NOT_MULTIPLE = 1, 2, 3
+
+
+def find_problem(offsets: np.ndarray, tokens_sum: int,
+                 multiple: int) -> Optional[Tuple[int, int, int, int]]:
+    """``(code, expert, offsets[expert], previous offset)`` of the first problem, or None."""
     values = np.asarray(offsets, dtype=np.int64).reshape(-1)
-    counts = np.diff(values, prepend=0)
+    prev = np.concatenate([[0], values[:-1]])
+    counts = values - prev
     bad = np.flatnonzero(counts < 0)
     if bad.size:
         e = int(bad[0])
-        if e == 0:
-            raise ValueError(f"{name}: expected offsets >= 0, got {name}[0] = {values[0]}")
-        raise ValueError(f"{name}: expected non-decreasing offsets, got {name}[{e}] = {values[e]} "
-                         f"after {name}[{e - 1}] = {values[e - 1]}")
+        return NEGATIVE_COUNT, e, int(values[e]), int(prev[e])
     if values[-1] != tokens_sum:
-        raise ValueError(f"{name}: expected the last offset to equal tokens_sum = {tokens_sum}, "
-                         f"got {name}[{values.size - 1}] = {values[-1]}")
-    multiple = token_count_multiple(spec)
+        e = values.size - 1
+        return LAST_NOT_TOKENS_SUM, e, int(values[e]), int(prev[e])
     if multiple > 1:
         bad = np.flatnonzero(counts % multiple)
         if bad.size:
             e = int(bad[0])
-            why = ("block-scaled inputs" if spec.is_block_scaled else
-                   "a K-major a_tensor/b_tensor (16-byte aligned TMA rows)")
-            raise ValueError(f"{name}: expected every expert's token count to be a multiple of "
-                             f"{multiple} for {why}, got {counts[e]} tokens for expert {e}")
+            return COUNT_NOT_MULTIPLE, e, int(values[e]), int(prev[e])
+    return None
+
+
+def problem_detail(code: int, expert: int, value: int, prev: int, tokens_sum: int,
+                   multiple: int, name: str = "offsets_tensor") -> str:
+    """The message (after ``name: ``) for a problem found by ``find_problem`` or a kernel."""
+    e = expert
+    if code == NEGATIVE_COUNT:
+        if e == 0:
+            return f"expected offsets >= 0, got {name}[0] = {value}"
+        return (f"expected non-decreasing offsets, got {name}[{e}] = {value} after "
+                f"{name}[{e - 1}] = {prev}")
+    if code == LAST_NOT_TOKENS_SUM:
+        return (f"expected the last offset to equal tokens_sum = {tokens_sum}, got "
+                f"{name}[{e}] = {value}")
+    if code == COUNT_NOT_MULTIPLE:
+        return (f"expected every expert's token count to be a multiple of {multiple} "
+                f"({_multiple_reason(multiple)}), got {value - prev} tokens for expert {e}")
+    return f"invalid offsets (problem code {code} for expert {e})"
+
+
+def _multiple_reason(multiple: int) -> str:
+    if multiple >= 128:
+        return "block-scaled inputs"
+    return "a K-major a_tensor/b_tensor: 16-byte aligned TMA rows"
+
+
+def check_offsets_values(offsets: np.ndarray, tokens_sum: int, spec: StaticSpec,
+                         name: str = "offsets_tensor") -> None:
+    """Raise ArgumentError naming ``name`` unless the offsets describe ``tokens_sum`` tokens."""
+    multiple = token_count_multiple(spec)
+    problem = find_problem(offsets, tokens_sum, multiple)
+    if problem is not None:
+        raise ArgumentError(name, problem_detail(*problem, tokens_sum, multiple, name))
 
 
 def check_ptr_values(ptrs: np.ndarray, name: str = "wgrad_ptrs") -> None:
@@ -71,8 +108,8 @@ def check_ptr_values(ptrs: np.ndarray, name: str = "wgrad_ptrs") -> None:
     bad = np.flatnonzero((values == 0) | (values % 16 != 0))
     if bad.size:
         e = int(bad[0])
-        raise ValueError(f"{name}: expected a non-null, 16-byte aligned address per expert, got "
-                         f"{name}[{e}] = {int(values[e]):#x}")
+        raise ArgumentError(name, f"expected a non-null, 16-byte aligned address per expert, got "
+                                  f"{name}[{e}] = {int(values[e]):#x}")
 
 
 def _read(desc: TensorDesc, np_dtype, stream: int) -> np.ndarray:

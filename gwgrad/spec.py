@@ -1,4 +1,5 @@
-"""The static spec: everything a compiled kernel bakes in. It is the cache key of operators.
+"""The static spec: everything a compiled kernel bakes in, tuning included. It is the cache key
+of operators, of compiled kernels in memory and on disk.
 
 ``tokens_sum``, the offsets values and every pointer are *not* in it: one compiled kernel
 serves every token count and distribution.
@@ -38,6 +39,12 @@ class StaticSpec:
     # Block-scaled only: scale-factor dtype and whether global scales are passed.
     sf_dtype: Optional[DType] = None
     has_global_scale: bool = False
+    # Tuning, with mma_tiler_mn and cluster_shape_mn (0 / None: the backend's default, filled
+    # in by backends.finalize_spec): m-tiles per raster band of the unit order, columns of one
+    # epilogue sub-tile. Part of the spec, so part of every cache key; never read from the
+    # environment.
+    raster_group: int = 0
+    epi_tile_n: int = 0
 
     @property
     def is_block_scaled(self) -> bool:

@@ -5,8 +5,8 @@ is the cheap per-call check that a cached operator runs: the call's tensors matc
 spec it was compiled for. Neither touches a GPU, so every rule is tested on a CPU-only
 machine. Offsets *values* are checked in ``offsets.py`` (they may live on the device).
 
-Every failure is a ``ValueError`` whose message starts with the argument's name and says what
-was expected and what came.
+Every failure is an ``ArgumentError`` (a ``ValueError``) whose ``argument`` names the
+argument and whose message says what was expected and what came.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 from .dtypes import BLOCK_SCALED_DTYPES, OUTPUT_DTYPES, DType, as_dtype
+from .errors import fail
 from .offsets import tokens_sum_multiple
 from .spec import INPUT_ORDERS, OUTPUT_MODES, StaticSpec
 from .tensors import TensorDesc
@@ -26,8 +27,7 @@ SF_VEC_SIZES = (16, 32)
 _MAJOR_WORDS = {"k": "K-major", "m": "M-major", "n": "N-major"}
 
 
-def _fail(name: str, expected: str, got: Any) -> None:
-    raise ValueError(f"{name}: expected {expected}, got {got}")
+_fail = fail  # ArgumentError(name, "expected ..., got ...")
 
 
 def _about(desc: TensorDesc) -> str:

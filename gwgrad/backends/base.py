@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from ..spec import StaticSpec
 from ..tensors import TensorDesc
@@ -38,9 +38,10 @@ class Backend(abc.ABC):
     """A way to compute the operation for some static specs.
 
     ``check_support`` raises ``ValueError`` naming the argument that this backend cannot serve
-    (or ``RuntimeError`` for an unusable environment); ``compile`` returns an opaque handle
-    (the CuTe DSL backends cache compiled code on disk via ``CUTE_DSL_CACHE_DIR``);
-    ``launch`` enqueues the work on ``args.stream`` and returns without synchronizing.
+    (or ``RuntimeError`` for an unusable environment); when it passes, ``compile`` succeeds.
+    ``compile`` returns an opaque handle (the CuTe DSL backends keep compiled kernels on disk
+    too: gwgrad.kernel_cache); ``launch`` enqueues the work described by ``args`` on
+    ``args.stream``; ``launcher`` gives the per-call path of ``gwgrad.plan`` for CUDA.
     """
 
     name: str = "backend"
@@ -55,6 +56,10 @@ class Backend(abc.ABC):
         """
         return (128, 256), (1, 1)
 
+    def default_tuning(self, spec: StaticSpec) -> Tuple[int, int]:
+        """(raster_group, epi_tile_n) for a spec whose caller left them 0."""
+        return 16, 64
+
     def workspace_bytes(self, spec: StaticSpec) -> int:
         return 0
 
@@ -64,9 +69,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def launch(self, compiled: Any, spec: StaticSpec, args: LaunchArgs) -> None: ...
 
-    #: Optional fast launch for the adapters' per-call path (``gwgrad.prepared``): a backend
-    #: may define ``launch_pointers(compiled, spec, device_id, a, b, offsets, out, workspace,
-    #: tokens_sum, stream)`` taking raw addresses (``out``: the dense output, or the int64
-    #: pointer array in discrete mode) and doing what ``launch`` does with them. Without it
-    #: (None), prepared calls build ``LaunchArgs`` and call ``launch``.
-    launch_pointers = None
+    def launcher(self, compiled: Any, spec: StaticSpec, device_id: int) -> Optional[Callable]:
+        """A function ``(stream, a, b, offsets, out, workspace, status, tokens_sum)`` of raw
+        addresses that launches ``compiled`` on CUDA device ``device_id`` (``out``: the dense
+        output, or the int64 pointer array in discrete mode; ``status``: gwgrad's device status
+        record, gwgrad/status.py). None for backends that run on the host (the reference),
+        which ``gwgrad.plan`` calls through ``launch``."""
+        return None

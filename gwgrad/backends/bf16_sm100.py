@@ -3,15 +3,10 @@ kernels/sm100_bf16.py (dynamic persistent scheduling through cluster launch cont
 
 from __future__ import annotations
 
+from ..errors import ArgumentError
+from ..kernels.tiling import sm100_cta_tile_m, sm100_problem
 from ..spec import StaticSpec
 from . import _cutedsl
-
-
-def _config(spec: StaticSpec):
-    from ..kernels.sm100_bf16 import sm100_cta_tile_m
-
-    unit_m = sm100_cta_tile_m(spec.mma_tiler_mn) * spec.cluster_shape_mn[0]
-    return _cutedsl.problem_config(spec, "sm100", unit_tile_m=unit_m)
 
 
 class Bf16Sm100Backend(_cutedsl.CuteDslBackend):
@@ -24,18 +19,32 @@ class Bf16Sm100Backend(_cutedsl.CuteDslBackend):
             return (256, 128), (2, 1)
         return (256, 256), (2, 1)
 
+    def default_tuning(self, spec: StaticSpec):
+        # The epilogue sub-tile comes from the DSL's SM100 helper (epi_tile_n stays 0).
+        return 16, 0
+
     def check_support(self, spec: StaticSpec) -> None:
         _cutedsl.check_bf16_spec(spec)
-        from ..kernels.sm100_bf16 import Sm100GroupedWgrad, check_sm100_tiling
+        problem = sm100_problem(spec.mma_tiler_mn, spec.cluster_shape_mn)
+        if problem is not None:
+            raise ArgumentError(*problem)
+        if self.compiled_before(spec):  # a cached kernel: no need to import the DSL to know
+            return
+        from ..kernels.sm100_bf16 import Sm100GroupedWgrad
 
-        check_sm100_tiling(tuple(spec.mma_tiler_mn), tuple(spec.cluster_shape_mn))
-        Sm100GroupedWgrad(_config(spec), tuple(spec.mma_tiler_mn))
+        reason = Sm100GroupedWgrad.can_implement(self.config(spec), tuple(spec.mma_tiler_mn))
+        if reason is not None:
+            raise ArgumentError(*reason)
+
+    def config(self, spec: StaticSpec):
+        unit_m = sm100_cta_tile_m(spec.mma_tiler_mn) * spec.cluster_shape_mn[0]
+        return _cutedsl.problem_config(spec, "sm100", unit_tile_m=unit_m)
 
     def workspace_bytes(self, spec: StaticSpec) -> int:
-        return _config(spec).workspace_bytes
+        return self.config(spec).workspace_bytes
 
     def make_kernel(self, spec: StaticSpec):
         """The kernel object (its `call_tensors` entry serves cutlass.jax.cutlass_call)."""
         from ..kernels.sm100_bf16 import Sm100GroupedWgrad
 
-        return Sm100GroupedWgrad(_config(spec), tuple(spec.mma_tiler_mn))
+        return Sm100GroupedWgrad(self.config(spec), tuple(spec.mma_tiler_mn))

@@ -35,6 +35,8 @@ from typing import Any, Optional
 import numpy as np
 
 from ..dtypes import DType
+from ..errors import ArgumentError
+from ..kernels.tiling import sm90_problem, sm100_problem
 from ..hostview import RAW_NUMPY, host_view, strided_view
 from ..offsets import check_offsets_values, check_ptr_values
 from ..spec import StaticSpec
@@ -128,6 +130,13 @@ class ReferenceBackend(Backend):
     def check_support(self, spec: StaticSpec) -> None:
         if not spec.is_cpu:
             raise RuntimeError(f"the reference backend runs on the CPU, not on {spec.arch}")
+        # A tiling no GPU kernel runs is an error here too: code tested on the CPU must not
+        # fail on a GPU for its arguments.
+        problems = [problem(spec.mma_tiler_mn, spec.cluster_shape_mn)
+                    for problem in (sm90_problem, sm100_problem)]
+        if all(problems):
+            argument, detail = problems[0]
+            raise ArgumentError(argument, f"{detail} (and on SM100: {problems[1][1]})")
 
     def compile(self, spec: StaticSpec) -> Any:
         return spec
@@ -214,8 +223,8 @@ def _check_scales(spec: StaticSpec, args: LaunchArgs) -> None:
                               (args.sfb, "sfb_tensor", (blocks, spec.intermediate))):
         if desc is None or desc.shape != shape:
             got = "None" if desc is None else f"shape {desc.shape}"
-            raise ValueError(f"{name}: expected shape {shape} (the reference backend's logical "
-                             f"scale layout, sf_vec_size = {spec.sf_vec_size}), got {got}")
+            raise ArgumentError(name, f"expected shape {shape} (the reference backend's logical "
+                                      f"scale layout, sf_vec_size = {spec.sf_vec_size}), got {got}")
 
 
 def _scale_block(spec: StaticSpec, desc: Optional[TensorDesc], which: str, begin: int,

@@ -1,0 +1,264 @@
+"""The host path's three tiers: compile (per static spec), plan (per call signature), launch.
+
+* **compile** — ``compile_spec(request)``: the backend and final tiling for a static spec and
+  its compiled kernel, once per process (``CompiledOperator``, cached by spec); the CuTe DSL
+  backends also keep the kernel on disk across processes (``gwgrad.kernel_cache``).
+* **plan** — ``plan_for(a, b, offsets, ...)``: a ``LaunchPlan`` per call *signature* (shapes,
+  strides, dtypes and devices of every tensor, output kind, modes, tiling, target arch). The
+  first call with a signature runs the contract's full check (``ArgumentError`` naming the
+  argument) and binds the compiled operator; later calls find the plan by a dict lookup.
+* **launch** — ``LaunchPlan.launch(a, b, offsets, out, stream=..., workspace=...)``: addresses
+  and a stream, nothing else: alignment bits, the device status check, the kernel call.
+
+Every entry point uses these: the contract's wrapper and class (``gwgrad.api``), the torch /
+CuPy adapters (which key plans by their own cheap signatures), the JAX custom call (which
+compiles through ``compile_spec``'s backend) and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from typing import Any, Dict, Optional, Tuple
+
+from . import backends, interop, offsets as offsets_rules, status
+from .backends.base import Backend, LaunchArgs
+from .dtypes import DType
+from .errors import ArgumentError
+from .spec import StaticSpec
+from .tensors import TensorDesc
+from .validation import build_spec, check_call, operand_dims
+
+__all__ = ["CompiledOperator", "LaunchPlan", "compile_spec", "plan_for", "plan_for_spec",
+           "cache_info", "clear_cache"]
+
+_lock = threading.RLock()
+_compiled: Dict[StaticSpec, "CompiledOperator"] = {}
+_plans: Dict[tuple, "LaunchPlan"] = {}
+_counters = {"constructed": 0, "compiled": 0, "plans": 0}
+
+
+def cache_info() -> Dict[str, int]:
+    """Compiled operators held, and how many operators were ever constructed / compiled and
+    plans built in this process."""
+    with _lock:
+        return {"operators": len({id(op) for op in _compiled.values()}), **_counters}
+
+
+def clear_cache() -> None:
+    """Forget every compiled operator and plan (the disk cache is unaffected)."""
+    with _lock:
+        _compiled.clear()
+        _plans.clear()
+
+
+def count(event: str) -> None:
+    with _lock:
+        _counters[event] += 1
+
+
+class CompiledOperator:
+    """A static spec with its final tiling, its backend and its compiled kernel."""
+
+    def __init__(self, spec: StaticSpec, backend: Backend):
+        self.spec = spec
+        self.backend = backend
+        self.handle = backend.compile(spec)
+        # A compiled kernel knows its workspace (a cached one without importing the DSL).
+        workspace = getattr(self.handle, "workspace_bytes", None)
+        self.workspace_bytes = backend.workspace_bytes(spec) if workspace is None else workspace
+        count("compiled")
+
+
+def compile_spec(request: StaticSpec) -> CompiledOperator:
+    """The compiled operator for ``request`` (tiling None: the backend's default), compiled
+    once per final spec and process."""
+    op = _compiled.get(request)
+    if op is not None:
+        return op
+    with _lock:
+        op = _compiled.get(request)
+        if op is None:
+            spec, backend = backends.finalize_spec(request)
+            op = _compiled.get(spec)  # another request may have reached the same final spec
+            if op is None:
+                count("constructed")
+                op = _compiled[spec] = CompiledOperator(spec, backend)
+            _compiled[request] = op
+    return op
+
+
+#: Base-address alignment each operand needs (bytes); checked per launch with bit operations.
+_ALIGN = {"a_tensor": 16, "b_tensor": 16, "offsets_tensor": 4, "wgrad_tensor": 16,
+          "wgrad_ptrs": 16}
+
+
+def _template(desc: Optional[TensorDesc]) -> Optional[TensorDesc]:
+    # The layout, not the first call's array: a cached plan must not hold user memory.
+    return None if desc is None else dataclasses.replace(desc, owner=None)
+
+
+class LaunchPlan:
+    """One accepted call signature bound to its compiled operator.
+
+    ``launch(a, b, offsets, out, stream=, workspace=)`` takes the addresses of a call's tensors
+    (``out``: the dense output, or in discrete mode the int64 array of per-expert output
+    addresses) with the signature this plan was built for, and enqueues the work.
+    """
+
+    def __init__(self, operator: CompiledOperator, a: TensorDesc, b: TensorDesc,
+                 offsets: TensorDesc, wgrad: Optional[TensorDesc],
+                 wgrad_ptrs: Optional[TensorDesc], scales: Tuple[Optional[TensorDesc], ...] = ()):
+        spec = operator.spec
+        self.operator = operator
+        self.spec = spec
+        self.discrete = spec.output_mode == "discrete"
+        self.out_name = "wgrad_ptrs" if self.discrete else "wgrad_tensor"
+        self.is_cuda = a.is_cuda
+        self.device_id = a.device_id
+        self.workspace_bytes = operator.workspace_bytes if a.is_cuda else 0
+        self.tokens_sum = operand_dims(a, "a_tensor", "a", spec.a_major)[1]
+        if self.discrete and wgrad_ptrs is None:  # the caller builds them per call
+            wgrad_ptrs = TensorDesc(0, (spec.num_experts,), (1,), DType.INT64, a.device_type,
+                                    a.device_id)
+        if not self.discrete and wgrad is None:  # the caller allocates it per call
+            shape = (spec.num_experts, spec.hidden, spec.intermediate)
+            wgrad = TensorDesc(0, shape, (shape[1] * shape[2], shape[2], 1), spec.wgrad_dtype,
+                               a.device_type, a.device_id)
+        self._templates = tuple(_template(d) for d in (a, b, offsets, wgrad, wgrad_ptrs))
+        self._scale_templates = tuple(_template(d) for d in scales) if any(scales) else ()
+        self._kernel = None  # the raw-address launcher of a GPU kernel
+        self._status = 0
+        if self.is_cuda:
+            self._kernel = operator.backend.launcher(operator.handle, spec, self.device_id)
+            if self._kernel is not None:
+                self._status = status.status_address(self.device_id)
+        count("plans")
+
+    def launch(self, a: int, b: int, offsets: int, out: int, *, stream: int = 0,
+               workspace: int = 0, validate_offsets: bool = False,
+               scales: Tuple[int, ...] = ()) -> None:
+        """Enqueue one call on ``stream``. ``scales``: block-scaled inputs' addresses of
+        ``(sfa, sfb, global_scale_a, global_scale_b)`` (0 for an absent global scale). ``workspace``: ``workspace_bytes`` of device memory
+        untouched by other work until the launch completes on ``stream`` (0: gwgrad's
+        per-stream workspace, which CUDA-graph capture cannot allocate). The offsets are
+        always checked on the device (a failed check writes nothing and is raised later: see
+        gwgrad.status); ``validate_offsets=True`` also checks them on the host first (one
+        copy and a synchronization; skipped during CUDA-graph capture)."""
+        if (a | b | out) & 15 or offsets & 3:
+            self._misaligned(a, b, offsets, out)
+        if not self.is_cuda:  # the reference: synchronous, checks the offsets itself
+            self._launch_args(a, b, offsets, out, scales, 0, 0)
+            return
+        status.raise_pending()
+        if validate_offsets:
+            self._check_on_host(offsets, out, stream)
+        if self.workspace_bytes and not workspace:
+            workspace = interop.workspace(self.device_id, stream, self.workspace_bytes)
+        kernel = self._kernel
+        if kernel is None:  # a backend without a raw-address launcher
+            self._launch_args(a, b, offsets, out, scales, stream, workspace)
+            return
+        kernel(stream, a, b, offsets, out, workspace, self._status, self.tokens_sum, *scales)
+
+    def _descs(self, a: int, b: int, offsets: int, out: int,
+               scales: Tuple[int, ...] = ()) -> LaunchArgs:
+        ta, tb, toff, tw, tp = self._templates
+        out_desc = dataclasses.replace(tp if self.discrete else tw, ptr=out)
+        sfa, sfb, gsa, gsb = (
+            None if t is None else dataclasses.replace(t, ptr=p)
+            for t, p in zip(self._scale_templates or (None,) * 4, tuple(scales) + (0,) * 4))
+        return LaunchArgs(
+            a=dataclasses.replace(ta, ptr=a), b=dataclasses.replace(tb, ptr=b),
+            offsets=dataclasses.replace(toff, ptr=offsets), tokens_sum=self.tokens_sum,
+            wgrad=None if self.discrete else out_desc,
+            wgrad_ptrs=out_desc if self.discrete else None, sfa=sfa, sfb=sfb,
+            global_scale_a=gsa, global_scale_b=gsb)
+
+    def _check_on_host(self, offsets: int, out: int, stream: int) -> None:
+        args = self._descs(0, 0, offsets, out)
+        offsets_rules.check_values(self.spec, args.offsets, self.tokens_sum, args.wgrad_ptrs,
+                                   stream)
+
+    def _launch_args(self, a: int, b: int, offsets: int, out: int, scales: Tuple[int, ...],
+                     stream: int, workspace: int) -> None:
+        args = self._descs(a, b, offsets, out, scales)
+        args.stream, args.workspace = stream, workspace
+        self.operator.backend.launch(self.operator.handle, self.spec, args)
+
+    def _misaligned(self, a: int, b: int, offsets: int, out: int) -> None:
+        for name, ptr in (("a_tensor", a), ("b_tensor", b), ("offsets_tensor", offsets),
+                          (self.out_name, out)):
+            if ptr % _ALIGN[name]:
+                raise ArgumentError(name, f"expected a {_ALIGN[name]}-byte aligned base "
+                                          f"address, got {ptr:#x}")
+
+
+def _signature(desc: Optional[TensorDesc]) -> Optional[tuple]:
+    # Everything build_spec reads from a tensor except its address (checked per launch).
+    if desc is None:
+        return None
+    return (desc.shape, desc.strides, desc.dtype, desc.device_type, desc.device_id)
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def plan_for(a: TensorDesc, b: TensorDesc, offsets: TensorDesc, *,
+             wgrad: Optional[TensorDesc] = None, wgrad_ptrs: Optional[TensorDesc] = None,
+             output_mode: str = "dense", wgrad_dtype: Any = None,
+             accumulate_on_output: bool = False, input_order: str = "tensor2d",
+             mma_tiler_mn: Any = None, cluster_shape_mn: Any = None,
+             acc_dtype: Any = DType.FLOAT32, sf_vec_size: int = 16,
+             sfa: Optional[TensorDesc] = None, sfb: Optional[TensorDesc] = None,
+             global_scale_a: Optional[TensorDesc] = None,
+             global_scale_b: Optional[TensorDesc] = None) -> LaunchPlan:
+    """The plan for a call described by ``TensorDesc``s (output storage may be absent only when
+    the caller allocates it before launching: pass a descriptor of the layout it will have).
+
+    The first call with a signature runs the contract's full check (``build_spec``) and finds
+    or compiles the operator; later calls with the same signature cost a dict lookup.
+    """
+    key = (_signature(a), _signature(b), _signature(offsets), _signature(wgrad),
+           _signature(wgrad_ptrs), output_mode, _hashable(wgrad_dtype), accumulate_on_output,
+           input_order, _hashable(mma_tiler_mn), _hashable(cluster_shape_mn), acc_dtype,
+           sf_vec_size, _signature(sfa), _signature(sfb), _signature(global_scale_a),
+           _signature(global_scale_b), os.environ.get("CUTE_DSL_ARCH"))
+    try:
+        plan = _plans.get(key)
+    except TypeError:  # an unhashable argument: the full check names it
+        plan, key = None, None
+    if plan is not None:
+        return plan
+    request = build_spec(
+        a=a, b=b, offsets=offsets, sfa=sfa, sfb=sfb, global_scale_a=global_scale_a,
+        global_scale_b=global_scale_b, output_mode=output_mode, wgrad=wgrad,
+        wgrad_ptrs=wgrad_ptrs, wgrad_dtype=wgrad_dtype, acc_dtype=acc_dtype,
+        mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn, sf_vec_size=sf_vec_size,
+        accumulate=accumulate_on_output, input_order=input_order, arch=backends.detect_arch)
+    plan = LaunchPlan(compile_spec(request), a, b, offsets, wgrad, wgrad_ptrs,
+                      (sfa, sfb, global_scale_a, global_scale_b))
+    if key is not None:
+        with _lock:
+            _plans[key] = plan
+    return plan
+
+
+def plan_for_spec(operator: CompiledOperator, a: TensorDesc, b: TensorDesc,
+                  offsets: TensorDesc, wgrad: Optional[TensorDesc],
+                  wgrad_ptrs: Optional[TensorDesc], cache: Dict[tuple, LaunchPlan],
+                  **scales: Optional[TensorDesc]) -> LaunchPlan:
+    """The plan for a call on an operator compiled for a given spec (the contract's class):
+    the call is checked against that spec once per signature (``check_call``)."""
+    key = (_signature(a), _signature(b), _signature(offsets), _signature(wgrad),
+           _signature(wgrad_ptrs), *(_signature(v) for v in scales.values()))
+    plan = cache.get(key)
+    if plan is None:
+        check_call(operator.spec, a, b, offsets, wgrad=wgrad, wgrad_ptrs=wgrad_ptrs, **scales)
+        plan = cache[key] = LaunchPlan(operator, a, b, offsets, wgrad, wgrad_ptrs,
+                                       tuple(scales.values()))
+    return plan

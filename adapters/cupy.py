@@ -34,18 +34,16 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from gwgrad.dtypes import DType, as_dtype
-from gwgrad.outputs import address_array
-from gwgrad.prepared import prepare_call
-from gwgrad.streams import stream_handle
-from gwgrad.tensors import TensorDesc, as_tensor_desc, from_pointer
+from gwgrad.dtypes import OUTPUT_DTYPES, DType, as_dtype
+from gwgrad.errors import ArgumentError
+from gwgrad.interop import address_array, as_tensor_desc, stream_handle
+from gwgrad.interop import numpy as np_interop
+from gwgrad.plan import LaunchPlan, plan_for
+from gwgrad.tensors import TensorDesc, from_pointer
 
-from ._common import adapter_message, adapter_names, experts_hidden_intermediate
+from ._common import adapter_names, experts_hidden_intermediate
 
 __all__ = ["wgrad", "to_bfloat16_bits", "from_bfloat16_bits"]
-
-_BITS = (np.dtype(np.uint16), np.dtype(np.int16))
-_OUT_NUMPY = {DType.FLOAT16: np.float16, DType.FLOAT32: np.float32}
 
 
 def _cupy():
@@ -61,47 +59,32 @@ def _xp(arr: Any):
     return _cupy() if _is_cupy(arr) else np
 
 
-# --- arrays -> (address, signature) ---------------------------------------------------------
+def _interop():
+    """gwgrad.interop.cupy (CuPy arrays), imported with CuPy; None without CuPy."""
+    from gwgrad import interop
 
-def _info(arr: Any, name: str, bfloat16_bits: bool, transpose: bool = False):
-    """``(address, (shape, strides, dtype, device_type, device_id), array)`` of ``arr``.
+    return interop.framework("cupy")
 
-    ``bfloat16_bits``: read a uint16 / int16 array as bfloat16. Strides count elements.
-    ``transpose``: describe ``arr.T`` (x -> A) without making a view.
-    """
-    if _is_cupy(arr) or isinstance(arr, np.ndarray):
-        dtype = arr.dtype
-        if dtype in _BITS:
-            if not bfloat16_bits:
-                raise ValueError(f"{name}: expected a float array, or 16-bit integers holding "
-                                 f"bfloat16 bits with dtype='bfloat16', got {dtype}")
-            gw_dtype = DType.BFLOAT16
-        else:
-            gw_dtype = as_dtype(dtype, name)
-        if any(s % dtype.itemsize for s in arr.strides):
-            raise ValueError(f"{name}: strides {arr.strides} (bytes) are not multiples of the "
-                             f"element size {dtype.itemsize}")
-        strides = tuple(s // dtype.itemsize for s in arr.strides)
-        shape = tuple(arr.shape)
-        if _is_cupy(arr):
-            address, device = arr.data.ptr, ("cuda", arr.data.device_id)
-        else:
-            address, device = arr.ctypes.data, ("cpu", 0)
-    else:  # any DLPack / CUDA-array-interface array (torch, JAX, ...): its own dtype
-        desc = as_tensor_desc(arr, name)
-        address, shape, strides, gw_dtype = desc.ptr, desc.shape, desc.strides, desc.dtype
-        device = (desc.device_type, desc.device_id)
+
+# --- arrays -> descriptors ------------------------------------------------------------------
+
+def _describe(arr: Any, name: str, bfloat16_bits: bool, transpose: bool = False) -> TensorDesc:
+    """A TensorDesc of a CuPy / NumPy array (``bfloat16_bits``: uint16 / int16 read as
+    bfloat16) or of any DLPack array in its own dtype; of ``arr.T`` when ``transpose``."""
+    if _is_cupy(arr):
+        return _interop().describe(arr, name, bfloat16_bits, transpose)
+    if isinstance(arr, np.ndarray):
+        if arr.dtype in np_interop.BITS and not bfloat16_bits:
+            raise ArgumentError(name, f"expected a float array, or 16-bit integers holding "
+                                      f"bfloat16 bits with dtype='bfloat16', got {arr.dtype}")
+        return np_interop.describe(arr, name, bfloat16_bits=bfloat16_bits, transpose=transpose)
+    desc = as_tensor_desc(arr, name)
     if transpose:
-        if len(shape) != 2:
-            raise ValueError(f"{name}: expected 2 dims, got shape {shape}")
-        shape, strides = shape[::-1], strides[::-1]
-    return address, (shape, strides, gw_dtype) + device, arr
-
-
-def _desc(info, name: str) -> TensorDesc:
-    address, (shape, strides, dtype, device_type, device_id), arr = info
-    return from_pointer(address, shape, strides, dtype, device_id, device_type=device_type,
-                        owner=arr, name=name)
+        if desc.ndim != 2:
+            raise ArgumentError(name, f"expected 2 dims, got shape {desc.shape}")
+        desc = TensorDesc(desc.ptr, desc.shape[::-1], desc.strides[::-1], desc.dtype,
+                          desc.device_type, desc.device_id, desc.framework, desc.owner)
+    return desc
 
 
 # --- bfloat16 bits --------------------------------------------------------------------------
@@ -124,7 +107,8 @@ def from_bfloat16_bits(bits: Any) -> Any:
 
 # --- the call -------------------------------------------------------------------------------
 
-_prepared: dict = {}
+# (signature) -> gwgrad.plan.LaunchPlan: a hit needs no validation beyond alignment.
+_plans: dict = {}
 
 
 def _resolve_stream(stream: Any, device) -> int:
@@ -132,10 +116,8 @@ def _resolve_stream(stream: Any, device) -> int:
         return 0
     if stream is not None:
         return stream_handle(stream, "stream")
-    cupy = _cupy()
-    if cupy is None:
-        return 0
-    return cupy.cuda.get_current_stream(device[1]).ptr
+    cupy_interop = _interop()
+    return cupy_interop.current_stream(device[1]) if cupy_interop is not None else 0
 
 
 def _empty(x: Any, shape: Tuple[int, ...], dtype: DType, device, stream: int,
@@ -148,32 +130,39 @@ def _empty(x: Any, shape: Tuple[int, ...], dtype: DType, device, stream: int,
         if isinstance(x_dtype, np.dtype) and x_dtype.name in ("uint16", "int16", "bfloat16"):
             np_dtype = x_dtype
     else:
-        np_dtype = _OUT_NUMPY[dtype]
+        np_dtype = np.dtype(dtype.value)
     if device[0] != "cuda":
         return np.empty(shape, np_dtype)
-    cupy = _cupy()
-    if cupy is None:
+    cupy_interop = _interop()
+    if cupy_interop is None:
         raise RuntimeError("allocating a CUDA output needs CuPy (pip install cupy-cuda13x), or "
                            "pass out")
-    with cupy.cuda.Device(device[1]):
-        if stream_given:  # allocate where the kernel writes it: the pool orders reuse by stream
-            with cupy.cuda.ExternalStream(stream):
-                return cupy.empty(shape, np_dtype)
-        return cupy.empty(shape, np_dtype)
+    return cupy_interop.empty(shape, np_dtype, device[1], stream if stream_given else None)
 
 
 def _quick(arr: Any, name: str):
     """``(address, signature)`` of an array, cheaply: a CuPy / NumPy array's raw attributes
-    (validated by ``_info`` when the signature is first seen); other arrays are described
+    (validated by ``_describe`` when the signature is first seen); other arrays are described
     through DLPack on every call."""
-    cupy = _cupy()
-    kind = type(arr)
-    if cupy is not None and kind is cupy.ndarray:
-        return arr.data.ptr, (arr.shape, arr.strides, arr.dtype, "cuda", arr.data.device_id)
-    if kind is np.ndarray:
+    cupy_interop = _interop()
+    if cupy_interop is not None:
+        quick = cupy_interop.signature(arr)
+        if quick is not None:
+            return quick
+    elif type(arr) is np.ndarray:
         return arr.__array_interface__["data"][0], (arr.shape, arr.strides, arr.dtype, "cpu", 0)
     desc = as_tensor_desc(arr, name)
     return desc.ptr, (desc.shape, desc.strides, desc.dtype, desc.device_type, desc.device_id)
+
+
+def _output_dtype(out_dtype: Any) -> Optional[DType]:
+    if out_dtype is None:
+        return None
+    dtype = as_dtype(out_dtype, "out_dtype")
+    if dtype not in OUTPUT_DTYPES:
+        raise ArgumentError("out_dtype", f"expected None, 'bfloat16', 'float16' or 'float32', "
+                                         f"got {dtype}")
+    return dtype
 
 
 def wgrad(x: Any, dy: Any, offsets: Any, *, out: Union[Any, Sequence[Any], None] = None,
@@ -186,20 +175,21 @@ def wgrad(x: Any, dy: Any, offsets: Any, *, out: Union[Any, Sequence[Any], None]
     out: None (a new (num_experts, hidden, intermediate) array of ``out_dtype``: "bfloat16"
     (default, as uint16 bits), "float16" or "float32"), an array of that shape, or a list of
     num_experts contiguous (hidden, intermediate) arrays (discrete outputs).
-    accumulate: add to ``out`` instead of overwriting it. Returns ``out`` (or the new array).
+    accumulate: add to ``out`` instead of overwriting it. Offsets are checked on the device
+    (invalid ones write nothing; the error comes from ``gwgrad.check_errors()`` or the next
+    call); ``validate_offsets=True`` checks them on the host first (one sync).
+    Returns ``out`` (or the new array).
     """
     bits = dtype is not None
-    if bits and dtype != "bfloat16" and as_dtype(dtype, "dtype") != DType.BFLOAT16:
-        raise ValueError(f"dtype: expected None or 'bfloat16', got {dtype!r}")
+    if bits and as_dtype(dtype, "dtype") != DType.BFLOAT16:
+        raise ArgumentError("dtype", f"expected None or 'bfloat16', got {dtype!r}")
     if accumulate and out is None:
-        raise ValueError("out: expected an initialized output to accumulate into "
-                         "(accumulate=True adds to it), got None")
-    want = None if out_dtype is None else as_dtype(out_dtype, "out_dtype")
-    try:
+        raise ArgumentError("out", "expected an initialized output to accumulate into "
+                                   "(accumulate=True adds to it), got None")
+    want = _output_dtype(out_dtype)
+    with adapter_names():
         qx, qdy, qoff = (_quick(x, "a_tensor"), _quick(dy, "b_tensor"),
                          _quick(offsets, "offsets_tensor"))
-    except ValueError as exc:
-        raise ValueError(adapter_message(str(exc))) from exc
     device = qx[1][3:]
     launch_stream = _resolve_stream(stream, device)
 
@@ -213,32 +203,24 @@ def wgrad(x: Any, dy: Any, offsets: Any, *, out: Union[Any, Sequence[Any], None]
             shape = experts_hidden_intermediate(_shape(x), _shape(dy), _shape(offsets))
             result = _empty(x, shape, want or DType.BFLOAT16, device, launch_stream,
                             stream is not None)
-        try:
+        with adapter_names():
             target = _quick(result, "wgrad_tensor")
-        except ValueError as exc:
-            raise ValueError(adapter_message(str(exc))) from exc
         out_key = target[1]
     key = (qx[1], qdy[1], qoff[1], discrete, out_key, bits, want, accumulate)
-    call = _prepared.get(key)
-    if call is None:
-        call = _prepared[key] = _prepare(x, dy, offsets, bits, want, accumulate,
-                                         outs if discrete else result, target, device)
-    workspace = 0
-    cupy = _cupy()
-    if call.workspace_bytes and stream is None and cupy is not None:
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _plan(x, dy, offsets, bits, want, accumulate,
+                                   outs if discrete else result, target, device)
+    workspace, keep = 0, None
+    cupy_interop = _interop()
+    if plan.workspace_bytes and stream is None and cupy_interop is not None:
         # From the pool, on the current (= launch) stream, freed in stream order.
-        if cupy.cuda.runtime.getDevice() == device[1]:
-            ws = cupy.empty(call.workspace_bytes, dtype=cupy.uint8)
-        else:
-            with cupy.cuda.Device(device[1]):
-                ws = cupy.empty(call.workspace_bytes, dtype=cupy.uint8)
-        workspace = ws.data.ptr
+        keep = cupy_interop.workspace(plan.workspace_bytes, device[1])
+        workspace = keep.data.ptr
     # else: gwgrad's per-stream workspace (a given stream need not be CuPy's current one)
-    try:
-        call.launch(qx[0], qdy[0], qoff[0], target[0], launch_stream, workspace,
-                    validate_offsets=validate_offsets)
-    except ValueError as exc:
-        raise ValueError(adapter_message(str(exc))) from exc
+    with adapter_names():
+        plan.launch(qx[0], qdy[0], qoff[0], target[0], stream=launch_stream,
+                    workspace=workspace, validate_offsets=validate_offsets)
     return outs if discrete else result
 
 
@@ -249,7 +231,7 @@ def _shape(arr: Any) -> Tuple[int, ...]:
 def _pointer_target(outs, x, dy, offsets, bits, device, stream):
     """Discrete outputs: ``((address of the int64 address array, ...), key part)``."""
     if not outs:
-        raise ValueError("out: expected a non-empty list of per-expert outputs, got []")
+        raise ArgumentError("out", "expected a non-empty list of per-expert outputs, got []")
     with adapter_names():
         quick = [_quick(o, "wgrad_tensor") for o in outs]
     first = quick[0][1]
@@ -262,43 +244,42 @@ def _pointer_target(outs, x, dy, offsets, bits, device, stream):
     return (addresses.ctypes.data, addresses), (len(outs), first)
 
 
-def _prepare(x, dy, offsets, bits, want, accumulate, out, target, device):
+def _plan(x, dy, offsets, bits, want, accumulate, out, target, device) -> LaunchPlan:
     """The first call of a signature: the contract's full check, then the compiled operator."""
     with adapter_names():
-        xi = _info(x, "a_tensor", bits, transpose=True)
-        dyi = _info(dy, "b_tensor", bits)
-        offi = _info(offsets, "offsets_tensor", False)
-        a, b, off = _desc(xi, "a_tensor"), _desc(dyi, "b_tensor"), _desc(offi, "offsets_tensor")
+        a = _describe(x, "a_tensor", bits, transpose=True)
+        b = _describe(dy, "b_tensor", bits)
+        off = _describe(offsets, "offsets_tensor", False)
         if isinstance(out, list):
             _check_discrete(out, x, dy, offsets, bits)
-            out_dtype = _info(out[0], "wgrad_tensor", True)[1][2]
+            out_dtype = _describe(out[0], "wgrad_tensor", True).dtype
             if want is not None and want != out_dtype:
-                raise ValueError(f"out_dtype: expected None or {out_dtype} (out's dtype), got "
-                                 f"{want}")
+                raise ArgumentError("out_dtype", f"expected None or {out_dtype} (out's dtype), "
+                                                 f"got {want}")
             ptrs = from_pointer(target[0], (len(out),), (1,), DType.INT64, device[1],
                                 device_type=device[0], name="wgrad_ptrs")
-            return prepare_call(a, b, off, wgrad_ptrs=ptrs, output_mode="discrete",
-                                wgrad_dtype=out_dtype, accumulate_on_output=accumulate)
-        wgrad = _desc(_info(out, "wgrad_tensor", True), "wgrad_tensor")
+            return plan_for(a, b, off, wgrad_ptrs=ptrs, output_mode="discrete",
+                            wgrad_dtype=out_dtype, accumulate_on_output=accumulate)
+        wgrad = _describe(out, "wgrad_tensor", True)
         if want is not None and want != wgrad.dtype:
-            raise ValueError(f"out_dtype: expected None or {wgrad.dtype} (out's dtype), got {want}")
-        return prepare_call(a, b, off, wgrad=wgrad, accumulate_on_output=accumulate)
+            raise ArgumentError("out_dtype", f"expected None or {wgrad.dtype} (out's dtype), "
+                                             f"got {want}")
+        return plan_for(a, b, off, wgrad=wgrad, accumulate_on_output=accumulate)
 
 
 def _check_discrete(outs, x, dy, offsets, bits) -> None:
     with adapter_names():
-        xi = _info(x, "a_tensor", bits, transpose=True)
-        infos = [_info(o, "wgrad_tensor", True) for o in outs]
+        xd = _describe(x, "a_tensor", bits, transpose=True)
+        descs = [_describe(o, "wgrad_tensor", True) for o in outs]
     experts, hidden, inter = experts_hidden_intermediate(_shape(x), _shape(dy), _shape(offsets))
-    if len(infos) != experts:
-        raise ValueError(f"out: expected {experts} per-expert outputs (one per offsets entry), "
-                         f"got {len(infos)}")
-    dtype, device = infos[0][1][2], xi[1][3:]
-    for e, (_, (shape, strides, o_dtype, *o_device), _) in enumerate(infos):
-        contiguous = TensorDesc(0, shape, strides, o_dtype, "cpu").is_contiguous()
-        if shape != (hidden, inter) or not contiguous or o_dtype != dtype or \
-                tuple(o_device) != device:
-            raise ValueError(
-                f"out: expected every output to be a contiguous ({hidden}, {inter}) array of "
-                f"one dtype on x's device, got out[{e}] of shape {shape}, strides {strides}, "
-                f"dtype {o_dtype}, device {o_device[0]}:{o_device[1]}")
+    if len(descs) != experts:
+        raise ArgumentError("out", f"expected {experts} per-expert outputs (one per offsets "
+                                   f"entry), got {len(descs)}")
+    first = descs[0]
+    for e, d in enumerate(descs):
+        if d.shape != (hidden, inter) or not d.is_contiguous() or d.dtype != first.dtype or \
+                d.device != xd.device:
+            raise ArgumentError(
+                "out", f"expected every output to be a contiguous ({hidden}, {inter}) array of "
+                f"one dtype on x's device, got out[{e}] of shape {d.shape}, strides {d.strides}, "
+                f"dtype {d.dtype}, device {d.device}")

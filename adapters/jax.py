@@ -19,9 +19,15 @@ anywhere:
   lowered, for ``CUTE_DSL_ARCH`` or else the architecture of CUDA device 0 (a host's GPUs
   are assumed alike); so lowering for CUDA works without a GPU when ``CUTE_DSL_ARCH`` is set.
   ``tokens`` is static in JAX: each distinct token count compiles its own kernel.
-* CPU: a jnp reference with the same semantics (FP32 accumulation, one rounding; each
-  expert's range clamped to [0, tokens] like the kernel's), so jitted code also runs in
-  CPU-only tests.
+* CPU: a jnp reference with the same semantics (FP32 accumulation, one rounding), so jitted
+  code also runs in CPU-only tests.
+
+Invalid offsets (decreasing, negative, last != tokens) are never silent, and never raise inside
+a traced computation: the kernel (or, on the CPU, a host callback of the reference) records
+them in gwgrad's status record and computes nothing (with ``accumulate=True`` the result is
+``out`` unchanged; otherwise its contents are unspecified: NaN on the CPU). The
+``ValueError`` naming ``offsets_tensor`` is raised by ``gwgrad.check_errors()`` after the
+computation (it waits for the devices), or by the next gwgrad call in the process.
 
 ``grouped_linear`` is a ``jax.custom_vjp`` example: a grouped expert linear layer whose
 weight gradient is gwgrad's.
@@ -38,7 +44,8 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from gwgrad import backends
+from gwgrad import backends, cuda, offsets as offsets_rules, status
+from gwgrad.dsl import shielded_argv
 from gwgrad.dtypes import as_dtype
 from gwgrad.spec import StaticSpec
 from gwgrad.tensors import TensorDesc
@@ -103,14 +110,37 @@ except ImportError:  # pragma: no cover - then only jitted calls work
     pass
 
 
+def _offsets_problem(offsets, tokens: int):
+    """(code, expert, value, previous) of the first invalid offset, as the kernels' prep
+    kernel and gwgrad.offsets.find_problem report it; code 0 when the offsets are valid."""
+    num = offsets.shape[0]
+    prev = jnp.concatenate([jnp.zeros((1,), offsets.dtype), offsets[:-1]])
+    index = jnp.arange(num, dtype=jnp.int32)
+    negative = offsets < prev
+    first_negative = jnp.min(jnp.where(negative, index, num))
+    last_bad = offsets[-1] != tokens
+    code = jnp.where(first_negative < num, offsets_rules.NEGATIVE_COUNT,
+                     jnp.where(last_bad, offsets_rules.LAST_NOT_TOKENS_SUM, 0)).astype(jnp.int32)
+    expert = jnp.where(first_negative < num, first_negative, num - 1).astype(jnp.int32)
+    return code, expert, offsets[expert], prev[expert]
+
+
+def _record_problem(code, expert, value, prev, tokens):
+    if int(code):
+        status.record(int(code), int(expert), int(value), int(prev), int(tokens), 1)
+
+
 def reference_wgrad(x, dy, offsets, out=None, *, out_dtype=jnp.bfloat16, accumulate=False):
     """The jnp reference (the CPU lowering): FP32 accumulation, rounded once to ``out_dtype``.
 
-    Expert e covers tokens [clamp(offsets[e-1]), max(clamp(offsets[e]), begin)) with clamp to
-    [0, tokens], as the kernel reads them. One matmul per expert (``lax.map``), so memory
-    stays at one expert's masked copy of x.
+    Valid offsets give expert e the tokens [offsets[e-1], offsets[e]). Invalid ones are
+    recorded for ``gwgrad.check_errors()`` (a host callback) and compute nothing: ``out``
+    when accumulating, else NaN. One matmul per expert (``lax.map``), so memory stays at one
+    expert's masked copy of x.
     """
     tokens = x.shape[0]
+    code, expert, value, prev = _offsets_problem(offsets, tokens)
+    jax.debug.callback(_record_problem, code, expert, value, prev, tokens)
     end = jnp.clip(offsets, 0, tokens)
     begin = jnp.concatenate([jnp.zeros((1,), end.dtype), end[:-1]])
     end = jnp.maximum(end, begin)
@@ -125,7 +155,8 @@ def reference_wgrad(x, dy, offsets, out=None, *, out_dtype=jnp.bfloat16, accumul
     w = jax.lax.map(one_expert, (begin, end))
     if accumulate:
         w = out.astype(jnp.float32) + w
-    return w.astype(out_dtype)
+    invalid_result = out.astype(jnp.float32) if accumulate else jnp.full_like(w, jnp.nan)
+    return jnp.where(code == 0, w, invalid_result).astype(out_dtype)
 
 
 def _cpu_lowering(ctx, x, dy, offsets, *out, out_dtype, accumulate):
@@ -179,17 +210,27 @@ def _cutlass_call(shapes: Tuple, dtypes: Tuple, out_dtype, accumulate: bool, arc
         compile_key=("gwgrad", type(kernel).__module__, type(kernel).__qualname__, spec),
         tokens_sum=int(x_shape[0]),
         grid_size=_grid_size(kernel.cfg, spec.arch),
+        status_address=_status_address(),
     )
+
+
+def _status_address() -> int:
+    """gwgrad's status record, where the kernel reports invalid offsets (gwgrad/status.py);
+    0 when lowering without a GPU (CUTE_DSL_ARCH set: compile-only, never run)."""
+    if cuda.device_count() == 0:
+        return 0
+    return status.status_address(0)
 
 
 def _cuda_lowering(ctx, x, dy, offsets, *out, out_dtype, accumulate):
     avals = ctx.avals_in
     shapes = tuple(tuple(v.shape) for v in avals[:3])
     dtypes = tuple(np.dtype(v.dtype) for v in avals[:3])
-    call = _cutlass_call(shapes, dtypes, np.dtype(out_dtype), accumulate,
-                         backends.detect_arch(0))
-    return mlir.lower_fun(lambda *args: call(*args)[0], multiple_results=False)(
-        ctx, x, dy, offsets, *out)
+    with shielded_argv():  # the CuTe DSL compiles here and reads sys.argv
+        call = _cutlass_call(shapes, dtypes, np.dtype(out_dtype), accumulate,
+                             backends.detect_arch(0))
+        return mlir.lower_fun(lambda *args: call(*args)[0], multiple_results=False)(
+            ctx, x, dy, offsets, *out)
 
 
 mlir.register_lowering(_wgrad_p, _cpu_lowering, platform="cpu")

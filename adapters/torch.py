@@ -21,99 +21,39 @@ come from torch's caching allocator on that stream, so calls can be captured in 
 reference implementation.
 
 No host synchronization: offsets are read by the kernel on the device, every launch (a graph
-replayed after ``offsets.copy_(new)`` uses the new values), and never checked on the host
-unless ``validate_offsets=True``. The kernel stays in bounds whatever offsets hold (each
-expert's range is clamped to [0, tokens]); invalid offsets give wrong numbers, not faults.
+replayed after ``offsets.copy_(new)`` uses the new values), and checked there: invalid
+offsets make the kernel write nothing, and the ``ValueError`` naming ``offsets`` comes from
+``gwgrad.check_errors()`` or the next gwgrad call (gwgrad/status.py). ``validate_offsets=True``
+checks them on the host too, before launching (one sync).
 
 Host cost: ``wgrad()`` in eager mode calls the kernel launcher directly (the dispatcher adds
 ~5 us and nothing else: these ops have no autograd formula), and under ``torch.compile``,
-dispatch modes or tensor subclasses goes through the op. See ``gwgrad/bench_adapters.py``.
+dispatch modes or tensor subclasses goes through the op. See ``gwgrad/bench/adapters.py``.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import List, Optional, Sequence, Union
 
 import torch
 
-from gwgrad.dtypes import DType
-from gwgrad.prepared import prepare_call
-from gwgrad.tensors import TensorDesc, as_tensor_desc
+from gwgrad.errors import ArgumentError
+from gwgrad.interop import torch as tinterop
+from gwgrad.plan import LaunchPlan, plan_for
 
-from ._common import adapter_message, adapter_names, experts_hidden_intermediate
+from ._common import adapter_names, experts_hidden_intermediate
 
 __all__ = ["wgrad", "GroupedExpertLinear", "grouped_expert_linear", "grouped_mm_reference"]
 
-_DTYPES = {torch.bfloat16: DType.BFLOAT16, torch.float16: DType.FLOAT16,
-           torch.float32: DType.FLOAT32, torch.int32: DType.INT32, torch.int64: DType.INT64}
-
-
-def _desc(t: torch.Tensor, name: str, transpose: bool = False) -> TensorDesc:
-    """A TensorDesc of ``t`` (of ``t.T`` when ``transpose``) without creating a view."""
-    if transpose and t.dim() != 2:
-        raise ValueError(f"{name}: expected 2 dims, got shape {tuple(t.shape)}")
-    dtype = _DTYPES.get(t.dtype)
-    if dtype is None:
-        return as_tensor_desc(t.t() if transpose else t, name)  # raises the core's error
-    shape, strides = tuple(t.shape), t.stride()
-    if transpose:
-        shape, strides = shape[::-1], strides[::-1]
-    device = t.device
-    if device.type == "cuda":
-        return TensorDesc(t.data_ptr(), shape, strides, dtype, "cuda", device.index, "torch", t)
-    if device.type == "cpu":
-        return TensorDesc(t.data_ptr(), shape, strides, dtype, "cpu", 0, "torch", t)
-    return as_tensor_desc(t, name)  # meta, xpu, ...: the core's error
-
-
-# --- discrete outputs: the int64 address array, built once per set of addresses -------------
-
-_MAX_POINTER_ARRAYS = 256
-# (device index, addresses) -> [device tensor, pinned host copy, kept, stream it was made on]
-_pointer_arrays: "OrderedDict[tuple, list]" = OrderedDict()
-
-
-def _pointer_array(outs: Sequence[torch.Tensor], device: torch.device, stream: int) -> torch.Tensor:
-    """A CUDA int64 tensor of the outputs' addresses, cached by those addresses.
-
-    Built from pinned host memory with a non-blocking copy, so it also works while a CUDA
-    graph is captured. An array a capture used is kept for good (the graph reads it, and
-    replays the copy from the pinned memory); others are evicted least-recently-used.
-    """
-    addresses = tuple(o.data_ptr() for o in outs)
-    key = (device.index, addresses)
-    capturing = torch.cuda.is_current_stream_capturing()
-    entry = _pointer_arrays.get(key)
-    if entry is None:
-        host = torch.tensor(addresses, dtype=torch.int64).pin_memory()
-        entry = [host.to(device, non_blocking=True), host, capturing, stream]
-        _pointer_arrays[key] = entry
-        if len(_pointer_arrays) > _MAX_POINTER_ARRAYS:
-            for old, (_, _, kept, _) in _pointer_arrays.items():
-                if not kept:
-                    del _pointer_arrays[old]
-                    break
-    else:
-        _pointer_arrays.move_to_end(key)
-        entry[2] = entry[2] or capturing
-        if entry[3] != stream and not capturing:  # freed on eviction: not before this use
-            entry[0].record_stream(torch.cuda.ExternalStream(stream, device=device))
-    return entry[0]
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # --- the launch shared by every op ----------------------------------------------------------
 
-# (torch-level signature) -> gwgrad.prepared.PreparedCall. The key holds everything the
-# contract's check reads except addresses, so a hit needs no validation beyond alignment.
-_prepared: dict = {}
-
-
-def _current_stream(device: torch.device) -> int:
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # ~10x cheaper than the
-    if raw is not None:                                          # Stream object
-        return raw(device.index)
-    return torch.cuda.current_stream(device).cuda_stream
+# (torch-level signature) -> gwgrad.plan.LaunchPlan. The key holds everything the contract's
+# check reads except addresses (every tensor's device included), so a hit needs no validation
+# beyond the alignment that LaunchPlan.launch checks.
+_plans: dict = {}
 
 
 def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
@@ -123,73 +63,50 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     if out is not None:
         target = out
         key = (x.shape, x.stride(), x.dtype, x.device, dy.shape, dy.stride(), dy.dtype,
-               offsets.shape, offsets.stride(), offsets.dtype, out.shape, out.stride(),
-               out.dtype, out.device, accumulate)
+               dy.device, offsets.shape, offsets.stride(), offsets.dtype, offsets.device,
+               out.shape, out.stride(), out.dtype, out.device, accumulate)
     else:
         _check_discrete(outs, offsets, x, dy)
         if x.is_cuda:
-            target = _pointer_array(outs, x.device, _current_stream(x.device))
+            target = tinterop.pointer_array(outs, x.device, tinterop.current_stream(x.device.index))
         else:
             target = torch.tensor([o.data_ptr() for o in outs], dtype=torch.int64)
         key = (x.shape, x.stride(), x.dtype, x.device, dy.shape, dy.stride(), dy.dtype,
-               offsets.shape, offsets.stride(), offsets.dtype, len(outs), outs[0].dtype,
-               accumulate)
-    call = _prepared.get(key)
-    if call is None:
-        call = _prepared[key] = _prepare(x, dy, offsets, out, outs, target, accumulate)
+               dy.device, offsets.shape, offsets.stride(), offsets.dtype, offsets.device,
+               len(outs), outs[0].dtype, accumulate)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _plan(x, dy, offsets, out, outs, target, accumulate)
     stream = workspace = 0
-    if call.is_cuda:
-        stream = _current_stream(x.device)
-        if call.workspace_bytes:
-            workspace = _workspace(x.device, stream, call.workspace_bytes)
-    try:
-        call.launch(x.data_ptr(), dy.data_ptr(), offsets.data_ptr(), target.data_ptr(), stream,
-                    workspace, validate_offsets=validate_offsets)
-    except ValueError as exc:  # misaligned storage, or offsets rejected by validate_offsets
-        raise ValueError(adapter_message(str(exc))) from exc
+    if plan.is_cuda:
+        stream = tinterop.current_stream(x.device.index)
+        if plan.workspace_bytes:
+            workspace = tinterop.workspace(x.device.index, stream, plan.workspace_bytes)
+    with adapter_names():  # misaligned storage, or offsets rejected by a check
+        plan.launch(x.data_ptr(), dy.data_ptr(), offsets.data_ptr(), target.data_ptr(),
+                    stream=stream, workspace=workspace, validate_offsets=validate_offsets)
 
 
-# (device index, stream) -> the eager workspace of that stream: launches on one stream run in
-# order, so one buffer serves them all (torch.empty per call cost ~3 us of the ~20 us budget).
-_workspaces: dict = {}
-
-
-def _workspace(device: torch.device, stream: int, nbytes: int) -> int:
-    if torch.cuda.is_current_stream_capturing():
-        # Freed right after the launch: during a capture it comes from (and stays in) the
-        # graph's private pool, which the replays then use.
-        return torch.empty(nbytes, dtype=torch.uint8, device=device).data_ptr()
-    key = (device.index, stream)
-    ws = _workspaces.get(key)
-    if ws is None or ws.numel() < nbytes:
-        ws = _workspaces[key] = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8,
-                                            device=device)
-    return ws.data_ptr()
-
-
-def _prepare(x, dy, offsets, out, outs, target, accumulate):
+def _plan(x, dy, offsets, out, outs, target, accumulate) -> LaunchPlan:
     """The first call of a signature: the contract's full check, then the compiled operator."""
     with adapter_names():
-        a = _desc(x, "a_tensor", transpose=True)
-        b = _desc(dy, "b_tensor")
-        off = _desc(offsets, "offsets_tensor")
+        a = tinterop.describe(x, "a_tensor", transpose=True)
+        b = tinterop.describe(dy, "b_tensor")
+        off = tinterop.describe(offsets, "offsets_tensor")
         if out is not None:
-            return prepare_call(a, b, off, wgrad=_desc(out, "wgrad_tensor"),
-                                accumulate_on_output=accumulate)
-        out_dtype = _DTYPES.get(outs[0].dtype)
-        if out_dtype is None:
-            raise ValueError(f"wgrad_dtype: expected bfloat16, float16 or float32 outputs, "
-                             f"got {outs[0].dtype}")
-        return prepare_call(a, b, off, wgrad_ptrs=_desc(target, "wgrad_ptrs"),
-                            output_mode="discrete", wgrad_dtype=out_dtype,
+            return plan_for(a, b, off, wgrad=tinterop.describe(out, "wgrad_tensor"),
                             accumulate_on_output=accumulate)
+        out_dtype = tinterop.DTYPES.get(outs[0].dtype)
+        return plan_for(a, b, off, wgrad_ptrs=tinterop.describe(target, "wgrad_ptrs"),
+                        output_mode="discrete", wgrad_dtype=out_dtype,
+                        accumulate_on_output=accumulate)
 
 
 def _check_discrete(outs, offsets, x, dy) -> None:
     experts, hidden, inter = experts_hidden_intermediate(x.shape, dy.shape, offsets.shape)
     if len(outs) != experts:
-        raise ValueError(f"out: expected {experts} per-expert outputs (one per offsets entry), "
-                         f"got {len(outs)}")
+        raise ArgumentError("out", f"expected {experts} per-expert outputs (one per offsets "
+                                   f"entry), got {len(outs)}")
     shape, dtype, device = (hidden, inter), outs[0].dtype, x.device
     if all(o.shape == shape and o.dtype == dtype and o.device == device and o.is_contiguous()
            for o in outs):
@@ -197,9 +114,9 @@ def _check_discrete(outs, offsets, x, dy) -> None:
     for e, o in enumerate(outs):
         if (o.shape != shape or not o.is_contiguous() or o.dtype != dtype
                 or o.device != device):
-            raise ValueError(
-                f"out: expected every output to be a contiguous ({hidden}, {inter}) tensor of "
-                f"one dtype on {x.device}, got out[{e}] of shape {tuple(o.shape)}, dtype "
+            raise ArgumentError(
+                "out", f"expected every output to be a contiguous ({hidden}, {inter}) tensor "
+                f"of one dtype on {x.device}, got out[{e}] of shape {tuple(o.shape)}, dtype "
                 f"{o.dtype}, device {o.device}")
 
 
@@ -267,6 +184,31 @@ def _eager(*tensors: torch.Tensor) -> bool:
     return all(type(t) is torch.Tensor and not t.is_meta for t in tensors)
 
 
+def _check_arguments(x, dy, offsets, out, out_dtype) -> None:
+    """Types, the output dtype and devices, before anything reaches torch or the core."""
+    for name, t in (("x", x), ("dy", dy), ("offsets", offsets)):
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentError(name, f"expected a torch.Tensor, got {type(t).__name__}")
+    if out_dtype is not None and out_dtype not in _OUT_DTYPES:
+        raise ArgumentError("out_dtype", f"expected None, torch.bfloat16, torch.float16 or "
+                                         f"torch.float32, got {out_dtype}")
+    tensors = [("x", x), ("dy", dy), ("offsets", offsets)]
+    if isinstance(out, torch.Tensor):
+        tensors.append(("out", out))
+    elif out is not None:
+        tensors += [(f"out[{e}]", o) for e, o in enumerate(out)]
+    # Meta tensors trace shapes (the op's fake kernel): all of them or none, never a mix, and
+    # real tensors all on x's device.
+    metas = [t.is_meta for _, t in tensors]
+    if any(metas) and not all(metas):
+        name, t = next((n, t) for n, t in tensors if t.is_meta != x.is_meta)
+        raise ArgumentError(name, f"expected a tensor on {x.device} like x, got one on {t.device}")
+    for name, t in tensors[1:]:
+        if t.device != x.device:
+            raise ArgumentError(name, f"expected a tensor on {x.device} like x (all tensors on "
+                                      f"one device), got one on {t.device}")
+
+
 def wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, *,
           out: Union[torch.Tensor, Sequence[torch.Tensor], None] = None,
           accumulate: bool = False, out_dtype: Optional[torch.dtype] = None,
@@ -278,15 +220,22 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, *,
     out: None (a new (num_experts, hidden, intermediate) tensor of ``out_dtype``, default
     bfloat16), a tensor of that shape, or a list of num_experts contiguous
     (hidden, intermediate) tensors (discrete outputs). accumulate: add to ``out`` instead of
-    overwriting it. validate_offsets: check offsets on the host first (one sync; eager only).
-    Returns ``out`` (or the new tensor).
+    overwriting it. Offsets are checked on the device (invalid ones write nothing; the error
+    comes from ``gwgrad.check_errors()`` or the next call); validate_offsets: check them on
+    the host first (one sync; eager only). Returns ``out`` (or the new tensor).
     """
+    if out is not None and not isinstance(out, torch.Tensor):
+        if not isinstance(out, (list, tuple)) or not out or \
+                not all(isinstance(o, torch.Tensor) for o in out):
+            raise ArgumentError("out", "expected None, a tensor or a non-empty list of tensors, "
+                                       f"got {type(out).__name__}")
+    _check_arguments(x, dy, offsets, out, out_dtype)
     if accumulate and out is None:
-        raise ValueError("out: expected an initialized output to accumulate into "
-                         "(accumulate=True adds to it), got None")
+        raise ArgumentError("out", "expected an initialized output to accumulate into "
+                                   "(accumulate=True adds to it), got None")
     if validate_offsets and torch.compiler.is_compiling():
-        raise ValueError("validate_offsets: expected False under torch.compile (the check "
-                         "synchronizes with the host), got True")
+        raise ArgumentError("validate_offsets", "expected False under torch.compile (the check "
+                                                "synchronizes with the host), got True")
     if out is None:
         dtype = torch.bfloat16 if out_dtype is None else out_dtype
         if _eager(x, dy, offsets) or validate_offsets:
@@ -296,18 +245,17 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, *,
         return torch.ops.gwgrad.grouped_gemm_wgrad.default(x, dy, offsets, dtype)
     if isinstance(out, torch.Tensor):
         if out_dtype is not None and out_dtype != out.dtype:
-            raise ValueError(f"out_dtype: expected None or {out.dtype} (out's dtype), got {out_dtype}")
+            raise ArgumentError("out_dtype", f"expected None or {out.dtype} (out's dtype), got "
+                                             f"{out_dtype}")
         if _eager(x, dy, offsets, out) or validate_offsets:
             _launch(x, dy, offsets, out, None, accumulate, validate_offsets)
         else:
             torch.ops.gwgrad.grouped_gemm_wgrad_into.default(x, dy, offsets, out, accumulate)
         return out
     outs = list(out)
-    if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
-        raise ValueError("out: expected None, a tensor or a non-empty list of tensors, got "
-                         f"{type(out).__name__}")
     if out_dtype is not None and out_dtype != outs[0].dtype:
-        raise ValueError(f"out_dtype: expected None or {outs[0].dtype} (out's dtype), got {out_dtype}")
+        raise ArgumentError("out_dtype", f"expected None or {outs[0].dtype} (out's dtype), got "
+                                         f"{out_dtype}")
     if _eager(x, dy, offsets, *outs) or validate_offsets:
         _launch(x, dy, offsets, None, outs, accumulate, validate_offsets)
     else:

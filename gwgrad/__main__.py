@@ -1,13 +1,13 @@
-"""``python -m gwgrad [demo|bench|info]``.
+"""``python -m gwgrad [info|demo|bench] [bench options]``.
 
-With no subcommand: on a machine with a CUDA GPU, the benchmark (gwgrad.bench); without one,
+With no command: on a machine with a CUDA GPU, the benchmark (gwgrad.bench); without one,
 what the machine can do: the CPU demo through the public API, and a compile-only check of
-the kernels when they are there.
+the kernels.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import argparse
 import os
 import platform
 import sys
@@ -15,8 +15,6 @@ from importlib import metadata
 from typing import List, Optional
 
 from . import __version__, cuda
-
-_USAGE = "usage: python -m gwgrad [demo|bench|info] [bench options]"
 
 
 def _version(dist: str) -> str:
@@ -32,6 +30,9 @@ def info() -> int:
                  "jaxlib", "ml_dtypes"):
         print(f"  {dist:20s} {_version(dist)}")
     print(f"  CUTE_DSL_ARCH        {os.environ.get('CUTE_DSL_ARCH', '(unset)')}")
+    from . import kernel_cache
+
+    print(f"  kernel cache         {kernel_cache.cache_dir() or '(disabled)'}")
     count = cuda.device_count()
     if count == 0:
         print("CUDA: no usable GPU (CPU arrays run on the reference backend)")
@@ -50,49 +51,49 @@ def info() -> int:
     return 0
 
 
-def _bench(argv: List[str]) -> int:
-    try:
-        from . import bench
-    except ModuleNotFoundError as exc:
-        if exc.name != "gwgrad.bench":
-            raise
-        print("gwgrad.bench is not there yet: no benchmark to run", file=sys.stderr)
-        return 1
-    result = bench.main(argv)
-    return int(result or 0)
-
-
 def _demo() -> int:
-    from .demo import cpu_demo
+    from .bench.demo import cpu_demo
 
     return 0 if cpu_demo() else 1
 
 
 def _compile_checks() -> None:
-    if importlib.util.find_spec("gwgrad.backends.bf16_sm90") is None:
-        print("compile check: skipped, the kernel modules are not there yet")
-        return
     from .backends import compile_check
 
     for arch in ("sm_90a", "sm_100a"):
         print(compile_check(arch))
 
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gwgrad",
+        description="gwgrad: grouped weight-gradient GEMM for Mixture-of-Experts training.",
+        epilog="With no command: the benchmark on a GPU machine; the CPU demo and a "
+               "compile-only kernel check without one. `python -m gwgrad bench --help` lists "
+               "the benchmark's options.")
+    parser.add_argument("--version", action="version", version=f"gwgrad {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{info,demo,bench}")
+    sub.add_parser("info", help="versions, GPUs, the kernel cache")
+    sub.add_parser("demo", help="the CPU demo (reference backend)")
+    sub.add_parser("bench", help="the H100/H200 benchmark (needs a GPU)", add_help=False)
+    return parser
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv[0] if argv and not argv[0].startswith("-") else None
-    rest = argv[1:] if command else argv
-    if command == "info":
+    if argv and argv[0] == "bench":  # the benchmark parses its own options (and --help)
+        from . import bench
+
+        return int(bench.main(argv[1:]) or 0)
+    args = _parser().parse_args(argv)  # --help, --version; unknown options exit with code 2
+    if args.command == "info":
         return info()
-    if command == "demo":
+    if args.command == "demo":
         return _demo()
-    if command == "bench":
-        return _bench(rest)
-    if command is not None:
-        print(_USAGE, file=sys.stderr)
-        return 2
     if cuda.available():
-        return _bench(rest)
+        from . import bench
+
+        return int(bench.main([]) or 0)
     print("no CUDA GPU found: running the CPU demo (reference backend) instead of the benchmark")
     status = _demo()
     _compile_checks()

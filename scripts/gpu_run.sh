@@ -1,40 +1,112 @@
 #!/usr/bin/env bash
-# Developer script for the offline GPU host (after staging the CuTe DSL wheels, see
-# shared/offline-gpu/README.md): isolated GPU tests, the examples and the benchmark tables,
-# each step under its own timeout; JSON under $OUT and one log, $OUT/run.log.
-# Usage: bash scripts/gpu_run.sh [steps...]   steps: tests examples bench unrounded adapters
+# One-shot run on the GPU host (H200), after staging the CuTe DSL wheels (.devwheels/, see
+# shared/offline-gpu/README.md): the host overhead, the cold start, the benchmark and the
+# isolated GPU tests, each step under its own timeout, the whole run within
+# GWGRAD_RUN_BUDGET_S seconds (default 530: under 9 minutes; a step gets at most what is
+# left, and is skipped below 15 s).
+#
+# Usage: bash scripts/gpu_run.sh [steps...]
+#   default steps, in this order: tests overhead coldstart bench
+#   also: examples, unrounded (bench with counts not rounded to 256), adapters (kernel time
+#   per adapter); these are not in the default run's budget.
+#
+# Files under $OUT (default /tmp/gwgrad-out; at most 6, one folder): run.log (every step's
+# full output), overhead.json, coldstart.json, bench.json, bench.png, isolated.json
+# (+ bench_unrounded.json / bench_adapters.json for those steps). Stdout: each step's summary.
 set -uo pipefail
+cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gwgrad-out}
 mkdir -p "$OUT"
 LOG="$OUT/run.log"
-. .devwheels/b/env.sh
-pip install -q --no-deps --no-build-isolation -e . >> "$LOG" 2>&1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-steps=${*:-tests examples bench unrounded adapters}
-TESTS=${GWGRAD_GPU_TESTS:-tests/test_sm90_kernel_gpu.py tests/test_api_gpu.py tests/test_adapter_torch_gpu.py tests/test_adapter_jax_gpu.py tests/test_adapter_cupy_gpu.py}
-for step in $steps; do
-  echo "=== $step $(date +%T)" >> "$LOG"
-  case $step in
+BUDGET=${GWGRAD_RUN_BUDGET_S:-530}
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+PY=${PYTHON:-$(command -v python || command -v python3)}
+TESTS=${GWGRAD_GPU_TESTS:-tests/test_sm90_kernel_gpu.py tests/test_api_gpu.py tests/test_adapter_torch_gpu.py tests/test_adapter_jax_gpu.py tests/test_adapter_cupy_gpu.py tests/test_status_gpu.py}
+
+say() { echo "$*" | tee -a "$LOG"; }
+# allow CAP: the seconds a step may run (its cap, or what is left of the budget; 0: skip it)
+allow() {
+  local cap=$1 left=$((BUDGET - SECONDS))
+  [ "$left" -lt "$cap" ] && cap=$left
+  [ "$cap" -lt 15 ] && cap=0
+  echo "$cap"
+}
+# step NAME CAP: announce a step; returns 1 (skip) when no time is left for it
+step() {
+  T=$(allow "$2")
+  if [ "$T" -eq 0 ]; then say "=== $1 SKIPPED: budget spent ($SECONDS s of $BUDGET s)"; return 1; fi
+  say "=== $1 (timeout ${T} s, at ${SECONDS} s of ${BUDGET} s, $(date +%T))"
+}
+done_step() { say "--- $1 rc=$2 (${SECONDS} s)"; }
+
+say "=== setup $(date +%T)"
+if [ -f .devwheels/b/install.sh ]; then  # quick when the CuTe DSL is already in /tmp/site
+  timeout 150 bash .devwheels/b/install.sh >> "$LOG" 2>&1 || say "install.sh rc=$?"
+fi
+if [ -f .devwheels/b/env.sh ]; then
+  . .devwheels/b/env.sh
+else
+  export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
+fi
+timeout 90 "$PY" -m pip install -q --no-deps --no-build-isolation -e . >> "$LOG" 2>&1 \
+  || say "pip install -e . rc=$? (the checkout stays on PYTHONPATH)"
+timeout 60 "$PY" -m gwgrad info 2>&1 | tee -a "$LOG"
+
+steps=${*:-tests overhead coldstart bench}
+for s in $steps; do
+  case $s in
+    overhead)
+      step overhead 110 || continue
+      timeout "$T" "$PY" -m gwgrad.bench.adapters --skip-kernel --step-timeout 30 \
+        --json "$OUT/overhead.json" > "$OUT/step.txt" 2>&1
+      rc=$?; cat "$OUT/step.txt" >> "$LOG"
+      sed -n '/^host overhead per cached call/,$p' "$OUT/step.txt" | head -24
+      [ $rc -eq 0 ] || tail -5 "$OUT/step.txt"
+      done_step overhead $rc ;;
+    coldstart)
+      step coldstart 100 || continue
+      timeout "$T" "$PY" -m gwgrad.bench.coldstart --timeout $(( (T - 5) / 2 )) \
+        --json "$OUT/coldstart.json" > "$OUT/step.txt" 2>&1
+      rc=$?; cat "$OUT/step.txt" >> "$LOG"; tail -8 "$OUT/step.txt"
+      done_step coldstart $rc ;;
+    bench)
+      # 8 rows x 2 distributions, ~9 methods each; rows not started after T-45 s are skipped
+      # (and say so in the JSON, which is rewritten after every row).
+      step bench 220 || continue
+      timeout "$T" "$PY" -m gwgrad bench --tiles "" --rounds 8 \
+        --sample-ms 12 --time-budget $((T > 90 ? T - 45 : T / 2)) --json "$OUT/bench.json" \
+        --plot "$OUT/bench.png" > "$OUT/step.txt" 2>&1
+      rc=$?; cat "$OUT/step.txt" >> "$LOG"
+      sed -n '/^wrapper\/adapter, worst row/,$p' "$OUT/step.txt" | head -60
+      [ $rc -eq 0 ] || tail -5 "$OUT/step.txt"
+      done_step bench $rc ;;
     tests)
-      timeout 400 python scripts/gpu_isolated.py --workers 14 --timeout 180 \
-        --json "$OUT/isolated.json" $TESTS >> "$LOG" 2>&1
-      grep -E "^(fail|TIMEOUT)|^summary" "$LOG" | tail -12 ;;
+      step tests 200 || continue
+      timeout "$T" "$PY" scripts/gpu_isolated.py --workers 14 --timeout 150 --budget $((T - 8)) \
+        --json "$OUT/isolated.json" $TESTS > "$OUT/step.txt" 2>&1
+      rc=$?; cat "$OUT/step.txt" >> "$LOG"
+      grep -E "^(fail|TIMEOUT|missing)|^summary" "$OUT/step.txt" | tail -14
+      done_step tests $rc ;;
     examples)
       for ex in examples/torch_moe_layer.py examples/jax_moe_layer.py examples/cupy_research.py; do
-        timeout 120 python "$ex" >> "$LOG" 2>&1; echo "$ex rc=$?"
+        step "$ex" 120 || continue
+        timeout "$T" "$PY" "$ex" >> "$LOG" 2>&1; done_step "$ex" $?
       done ;;
-    bench)
-      timeout 420 python -m gwgrad bench --tiles 128x256,128x128,256x128 --json "$OUT/bench.json" \
-        --plot "$OUT/bench.png" > "$OUT/bench.txt" 2>&1; echo "bench rc=$?"
-      cat "$OUT/bench.txt" >> "$LOG"; tail -16 "$OUT/bench.txt" ;;
     unrounded)
-      timeout 200 python -m gwgrad bench --tiles 128x256,128x128 --unrounded --no-check \
-        --json "$OUT/bench_unrounded.json" --plot "" > "$OUT/u.txt" 2>&1
-      echo "unrounded rc=$?"; cat "$OUT/u.txt" >> "$LOG"; tail -16 "$OUT/u.txt" | head -15 ;;
+      step unrounded 200 || continue
+      timeout "$T" "$PY" -m gwgrad bench --tiles 128x256,128x128 --unrounded --no-check \
+        --time-budget $((T > 80 ? T - 40 : T / 2)) --json "$OUT/bench_unrounded.json" --plot "" \
+        > "$OUT/step.txt" 2>&1
+      rc=$?; cat "$OUT/step.txt" >> "$LOG"; sed -n '/^wrapper\/adapter, worst row/,$p' "$OUT/step.txt" | head -40
+      done_step unrounded $rc ;;
     adapters)
-      timeout 300 python -m gwgrad.bench_adapters --dist uniform --step-timeout 120 \
-        --json "$OUT/bench_adapters.json" > "$OUT/a.txt" 2>&1
-      echo "adapters rc=$?"; cat "$OUT/a.txt" >> "$LOG"; tail -30 "$OUT/a.txt" ;;
+      step adapters 300 || continue
+      timeout "$T" "$PY" -m gwgrad.bench.adapters --dist uniform --skip-overhead --step-timeout 120 \
+        --json "$OUT/bench_adapters.json" > "$OUT/step.txt" 2>&1
+      rc=$?; cat "$OUT/step.txt" >> "$LOG"; tail -20 "$OUT/step.txt"
+      done_step adapters $rc ;;
+    *) say "unknown step: $s (steps: overhead coldstart bench tests examples unrounded adapters)" ;;
   esac
 done
-rm -f "$OUT"/*.txt
+rm -f "$OUT/step.txt" "$OUT"/*.tmp
+say "=== done in ${SECONDS} s; files: $(cd "$OUT" && ls | tr '\n' ' ')"

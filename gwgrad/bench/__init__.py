@@ -1,30 +1,53 @@
 """`python -m gwgrad bench`: gwgrad against what an H100/H200 user has today, on the MoE shapes
-of shared/bench/shapes.json (a copy ships as gwgrad/bench_shapes.json).
+of shared/bench/shapes.json (a copy ships as gwgrad/bench/shapes.json).
 
-Every row times, in one process and on the same inputs (x.T as M-major A, dy as N-major B,
-BF16 output): gwgrad, `torch._grouped_mm`, a per-expert `torch.mm` loop, and one dense
-cuBLAS GEMM of equal FLOPs (hidden x intermediate x tokens_sum) as the ceiling. CUDA events,
-warm-up, median of many runs; randn data. The table is printed and saved as JSON (and a PNG
-plot when matplotlib is there).
+Every row times, in one process, on the same inputs (x.T as M-major A, dy as N-major B, BF16
+output) and in one interleaved round-robin (``time_interleaved``: CUDA events, warm-up,
+medians):
+
+* ``gwgrad``: the kernel through its launch plan (``gwgrad.plan_for`` + ``plan.launch`` with a
+  preallocated workspace on torch's current stream: the kernel's own time), at the default
+  tiling and at every ``--tiles`` value;
+* ``adapter``: ``gwgrad.adapters.torch.wgrad(x, dy, offsets, out=w)``;
+* ``wrapper``: the contract's ``grouped_gemm_wgrad_wrapper_sm100(a_tensor=x.T, b_tensor=dy, ...,
+  offsets_tensor=..., wgrad_tensor=w)`` with default arguments, given a different offsets
+  tensor (same values) every call, as a training step does;
+* ``torch_grouped_mm``, a per-expert ``torch.mm`` loop, and one dense cuBLAS GEMM of equal
+  FLOPs (hidden x intermediate x tokens_sum): the compute ceiling;
+* ``copy``: a large device-to-device copy (bytes read + written): the HBM bandwidth, for the
+  rows with many small experts, whose ceiling is the HBM roofline (see shapes.json's "about").
+
+A method that fails is recorded with its error and the row goes on. The table is printed last;
+the JSON holds everything (and a PNG plot is written when matplotlib is there).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import math
 import os
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_SHAPES = os.path.join(HERE, "bench_shapes.json")
+DEFAULT_SHAPES = os.path.join(HERE, "shapes.json")
+
+#: Rows averaging at most this many tokens per expert are the "many small experts" rows: the
+#: output write, not the multiply, bounds their time (their ceiling is the HBM roofline).
+SMALL_EXPERT_TOKENS = 512
+#: wrapper TFLOP/s over adapter TFLOP/s, on every row.
+WRAPPER_TARGET = 0.97
+#: How many distinct offsets tensors (same values) the wrapper rotates through.
+OFFSETS_POOL = 16
+#: Relative error (Frobenius) allowed against the cuBLAS loop: BF16 output rounding.
+CHECK_TOLERANCE = 1e-2
 
 
 # ----------------------------------------------------------------------------------------
-# token distributions
+# token distributions and the arithmetic (no GPU)
 # ----------------------------------------------------------------------------------------
 
 
@@ -50,6 +73,44 @@ def token_counts(tokens_sum: int, num_experts: int, dist: str, multiple: int = 2
     counts = [c * multiple for c in counts]
     counts[max(range(num_experts), key=lambda i: weights[i])] += tokens_sum - sum(counts)
     return counts
+
+
+def hbm_bytes(hidden: int, intermediate: int, num_experts: int, tokens_sum: int,
+              out_bytes: int = 2, accumulate: bool = False) -> int:
+    """Bytes a grouped weight gradient must move at least (shapes.json's formula): A and B read
+    once (BF16), the output written once (read and written when accumulating)."""
+    out = out_bytes * num_experts * hidden * intermediate
+    return 2 * (hidden + intermediate) * tokens_sum + (2 if accumulate else 1) * out
+
+
+def is_small_experts(shape: Dict) -> bool:
+    """A row with many small experts (at most SMALL_EXPERT_TOKENS tokens per expert on
+    average), unless the shape says otherwise with a "small_experts" entry."""
+    if "small_experts" in shape:
+        return bool(shape["small_experts"])
+    return shape["tokens_sum"] <= SMALL_EXPERT_TOKENS * shape["num_experts"]
+
+
+def copy_bandwidth(copy_bytes: int, ms: float) -> float:
+    """Bytes per second of a device-to-device copy of ``copy_bytes``: read + written."""
+    return 2.0 * copy_bytes / (ms * 1e-3)
+
+
+def roofline_fraction(nbytes: int, bandwidth: float, ms: float) -> float:
+    """The share of the HBM roofline a method reached: (bytes / bandwidth) / its time."""
+    return nbytes / bandwidth / (ms * 1e-3)
+
+
+def _cumsum(xs):
+    out, s = [], 0
+    for v in xs:
+        s += v
+        out.append(s)
+    return out
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:2000]
 
 
 # ----------------------------------------------------------------------------------------
@@ -92,159 +153,446 @@ def time_interleaved(fns: Dict[str, object], rounds: int = 12, sample_ms: float 
             for name, v in samples.items()}
 
 
+def time_methods(fns: Dict[str, Callable[[], object]], methods: Dict[str, Dict],
+                 rounds: int = 10, sample_ms: float = 12.0,
+                 timer: Optional[Callable] = None,
+                 sync: Optional[Callable[[], None]] = None) -> Dict[str, float]:
+    """``time_interleaved`` that one failing method cannot stop: each method is first called
+    once and synchronized (a method that raises gets ``{"error": ...}`` in ``methods`` and is
+    left out); if timing them together still fails, each is timed alone."""
+    if timer is None:
+        timer = time_interleaved
+    if sync is None:
+        import torch
+
+        sync = torch.cuda.synchronize
+    live = {}
+    for name, fn in fns.items():
+        try:
+            fn()
+            sync()
+            live[name] = fn
+        except Exception as exc:  # noqa: BLE001 - recorded, the row goes on
+            methods[name] = {"error": _error(exc)}
+    if not live:
+        return {}
+    try:
+        return dict(timer(live, rounds=rounds, sample_ms=sample_ms))
+    except Exception:  # noqa: BLE001 - find which one, time the others
+        times = {}
+        for name, fn in live.items():
+            try:
+                times.update(timer({name: fn}, rounds=rounds, sample_ms=sample_ms))
+            except Exception as exc:  # noqa: BLE001
+                methods[name] = {"error": _error(exc)}
+        return times
+
+
 # ----------------------------------------------------------------------------------------
 # the methods
 # ----------------------------------------------------------------------------------------
 
 
 class KernelRunner:
-    """gwgrad's kernel through the backend interface: the launch an operator makes, without the
-    API layer's per-call argument handling (so its time is the kernel's)."""
+    """gwgrad's kernel through its launch plan: ``gwgrad.plan_for`` once, then each call is
+    ``plan.launch`` of fixed addresses with a preallocated workspace on the stream that was
+    current at construction (torch's). No API layer, no per-call argument handling: its time
+    is the kernel's. CPU tensors run the reference backend (synchronously)."""
 
-    def __init__(self, a, b, offsets, out, mma_tiler_mn, accumulate=False):
+    def __init__(self, a, b, offsets, out, mma_tiler_mn=None, accumulate: bool = False):
         import torch
 
-        from .backends import detect_arch, finalize_spec
-        from .backends.base import LaunchArgs
-        from .dtypes import DType
-        from .spec import StaticSpec
-        from .tensors import TensorDesc
+        import gwgrad
 
-        dt = {torch.bfloat16: DType.BFLOAT16, torch.float16: DType.FLOAT16,
-              torch.float32: DType.FLOAT32, torch.int32: DType.INT32}
-
-        def desc(x):
-            return TensorDesc(x.data_ptr(), tuple(x.shape), tuple(x.stride()), dt[x.dtype],
-                              "cuda", x.device.index or 0, "torch", x)
-
-        spec = StaticSpec(
-            hidden=a.shape[0], intermediate=b.shape[1], num_experts=offsets.shape[0],
-            a_dtype=DType.BFLOAT16, b_dtype=DType.BFLOAT16, wgrad_dtype=dt[out.dtype],
-            acc_dtype=DType.FLOAT32, a_major="k" if a.stride(1) == 1 else "m",
-            b_major="k" if b.stride(0) == 1 else "n", input_order="tensor2d",
-            output_mode="dense", accumulate=accumulate,
-            mma_tiler_mn=None if mma_tiler_mn is None else tuple(mma_tiler_mn),
-            cluster_shape_mn=None if mma_tiler_mn is None else (1, 1), sf_vec_size=16,
-            arch=detect_arch(a.device.index or 0),
-        )
-        self.spec, self.backend = finalize_spec(spec)
-        self.compiled = self.backend.compile(self.spec)
-        self.workspace = torch.empty(self.backend.workspace_bytes(self.spec), dtype=torch.uint8,
-                                     device=a.device)
-        self.args = LaunchArgs(a=desc(a), b=desc(b), offsets=desc(offsets),
-                               tokens_sum=a.shape[1], wgrad=desc(out),
-                               stream=torch.cuda.current_stream().cuda_stream,
-                               workspace=self.workspace.data_ptr())
+        desc = gwgrad.as_tensor_desc
+        tiling = {}
+        if mma_tiler_mn is not None:
+            tiling = {"mma_tiler_mn": tuple(mma_tiler_mn), "cluster_shape_mn": (1, 1)}
+        self.plan = gwgrad.plan_for(
+            desc(a, "a_tensor"), desc(b, "b_tensor"), desc(offsets, "offsets_tensor"),
+            wgrad=desc(out, "wgrad_tensor"), accumulate_on_output=accumulate, **tiling)
+        self.spec = self.plan.spec
+        self.tile = tuple(self.spec.mma_tiler_mn)
+        self.workspace = None
+        self.stream = 0
+        workspace = 0
+        if a.is_cuda:
+            self.stream = torch.cuda.current_stream(a.device).cuda_stream
+            if self.plan.workspace_bytes:
+                self.workspace = torch.empty(self.plan.workspace_bytes, dtype=torch.uint8,
+                                             device=a.device)
+                workspace = self.workspace.data_ptr()
+        self._addresses = (a.data_ptr(), b.data_ptr(), offsets.data_ptr(), out.data_ptr())
+        self._keep = (a, b, offsets, out)  # the addresses stay valid while the runner lives
+        self._launch = self.plan.launch
+        self._options = {"stream": self.stream, "workspace": workspace}
 
     def __call__(self):
-        self.backend.launch(self.compiled, self.spec, self.args)
+        self._launch(*self._addresses, **self._options)
 
 
-def run_row(shape: Dict, dist: str, configs: List, multiple: int, check: bool) -> Dict:
+class RowInputs:
+    """One row's tensors: x (tokens, hidden), dy (tokens, intermediate), int32 offsets and a
+    pool of distinct copies of them, one output per gwgrad path and the reference's."""
+
+    def __init__(self, shape: Dict, dist: str, multiple: int, device: str = "cuda",
+                 seed: int = 0):
+        import torch
+
+        self.hidden, self.intermediate = shape["hidden"], shape["intermediate"]
+        self.num_experts, self.tokens_sum = shape["num_experts"], shape["tokens_sum"]
+        self.counts = token_counts(self.tokens_sum, self.num_experts, dist, multiple)
+        self.multiple = multiple
+        self.device = torch.device(device)
+        self.offsets = torch.tensor(_cumsum(self.counts), dtype=torch.int32, device=device)
+        self.offsets_pool = [self.offsets.clone() for _ in range(OFFSETS_POOL)]
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        self.x = torch.randn(self.tokens_sum, self.hidden, device=device, dtype=torch.bfloat16,
+                             generator=gen)
+        self.dy = torch.randn(self.tokens_sum, self.intermediate, device=device,
+                              dtype=torch.bfloat16, generator=gen)
+        self.a, self.b = self.x.t(), self.dy  # M-major A, N-major B: a training step's layout
+        self.starts = [0] + _cumsum(self.counts)[:-1]
+        out_shape = (self.num_experts, self.hidden, self.intermediate)
+        self.outs = {name: torch.empty(out_shape, device=device, dtype=torch.bfloat16)
+                     for name in ("gwgrad", "adapter", "wrapper", "reference")}
+        self.dense_out = torch.empty(self.hidden, self.intermediate, device=device,
+                                     dtype=torch.bfloat16)
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.hidden * self.intermediate * self.tokens_sum
+
+    def mm_loop(self):
+        import torch
+
+        a, b, out = self.a, self.b, self.outs["reference"]
+        pairs = list(zip(self.starts, self.counts))
+
+        def loop():
+            for i, (s, c) in enumerate(pairs):
+                torch.mm(a[:, s:s + c], b[s:s + c], out=out[i])
+
+        return loop
+
+    def adapter(self):
+        import gwgrad.adapters.torch as gwt
+
+        x, dy, offsets, out, wgrad = self.x, self.dy, self.offsets, self.outs["adapter"], gwt.wgrad
+        return lambda: wgrad(x, dy, offsets, out=out)
+
+    def wrapper(self):
+        """The contract's wrapper as a training step calls it: default arguments, x.T taken in
+        the call, a different offsets tensor (same values) every call."""
+        import gwgrad
+
+        x, dy, out = self.x, self.dy, self.outs["wrapper"]
+        pool = itertools.cycle(self.offsets_pool)
+        call = gwgrad.grouped_gemm_wgrad_wrapper_sm100
+
+        def wrapper():
+            call(a_tensor=x.T, b_tensor=dy, sfa_tensor=None, sfb_tensor=None,
+                 offsets_tensor=next(pool), wgrad_tensor=out)
+
+        return wrapper
+
+    def grouped_mm(self):
+        import torch
+
+        a, b, offsets = self.a, self.b, self.offsets
+        return lambda: torch._grouped_mm(a, b, offs=offsets)
+
+    def dense(self):
+        import torch
+
+        a, b, out = self.a, self.b, self.dense_out
+        return lambda: torch.mm(a, b, out=out)  # one GEMM with the same FLOPs
+
+
+class CopyBuffers:
+    """Two device buffers of ``nbytes``: ``dst.copy_(src)`` measures the HBM bandwidth."""
+
+    def __init__(self, nbytes: int, device: str = "cuda"):
+        import torch
+
+        self.nbytes = int(nbytes) // 16 * 16
+        self.src = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self.dst = torch.empty_like(self.src)
+        self.src.fill_(1)
+
+    def __call__(self):
+        self.dst.copy_(self.src)
+
+
+def build_methods(inp: RowInputs, configs: List, row: Dict,
+                  copy: Optional[CopyBuffers] = None):
+    """The row's callables by method name, and gwgrad's default KernelRunner (None if it
+    failed). A method that cannot be built gets ``{"error": ...}`` in ``row["methods"]``."""
     import torch
 
-    m, n, e, t = shape["hidden"], shape["intermediate"], shape["num_experts"], shape["tokens_sum"]
-    counts = token_counts(t, e, dist, multiple)
-    offs = torch.tensor(_cumsum(counts), dtype=torch.int32, device="cuda")
-    torch.manual_seed(0)
-    x = torch.randn(t, m, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
-    a, b = x.t(), dy  # M-major A, N-major B: how a training step holds them
-    flops = 2.0 * m * n * t
-    row = {"name": shape["name"], "dist": dist, "hidden": m, "intermediate": n,
-           "num_experts": e, "tokens_sum": t, "max_count": max(counts),
-           "min_count": min(counts), "methods": {}}
+    fns: Dict[str, Callable[[], object]] = {}
+    meth = row["methods"]
 
-    def record(name, ms):
-        row["methods"][name] = {"ms": ms, "tflops": flops / ms / 1e9}
+    def add(name, make):
+        try:
+            fns[name] = make()
+        except Exception as exc:  # noqa: BLE001 - recorded, the row goes on
+            meth[name] = {"error": _error(exc)}
 
-    out = torch.empty(e, m, n, device="cuda", dtype=torch.bfloat16)
-    fns = {}
-    default = KernelRunner(a, b, offs, out, mma_tiler_mn=None)  # what users get by default
-    default_name = "gwgrad_{}x{}".format(*default.spec.mma_tiler_mn)
-    fns[default_name] = default
+    default = None
+    try:
+        default = KernelRunner(inp.a, inp.b, inp.offsets, inp.outs["gwgrad"])
+        row["gwgrad_config"] = list(default.tile)
+        fns["gwgrad_{}x{}".format(*default.tile)] = default
+    except Exception as exc:  # noqa: BLE001
+        meth["gwgrad"] = {"error": _error(exc)}
     for cfg in configs:
         name = f"gwgrad_{cfg[0]}x{cfg[1]}"
-        if name in fns:
-            continue
-        try:
-            fns[name] = KernelRunner(a, b, offs, out, mma_tiler_mn=cfg)
-        except (ValueError, RuntimeError) as exc:  # a tile this shape cannot use
-            row["methods"][name] = {"error": str(exc)}
-    starts = [0] + _cumsum(counts)[:-1]
-    ref_out = torch.empty_like(out)
+        if name not in fns:  # a tile this shape cannot use is recorded as an error
+            add(name, lambda: KernelRunner(inp.a, inp.b, inp.offsets, inp.outs["gwgrad"],
+                                           mma_tiler_mn=cfg))
+    add("adapter", inp.adapter)
+    add("wrapper", inp.wrapper)
+    if inp.device.type == "cuda" and hasattr(torch, "_grouped_mm") and inp.multiple % 16 == 0:
+        add("torch_grouped_mm", inp.grouped_mm)
+    add("torch_mm_loop", inp.mm_loop)
+    add("dense_cublas", inp.dense)
+    if copy is not None:
+        fns["copy"] = copy
+    return fns, default
 
-    def loop():
-        for i, (s, c) in enumerate(zip(starts, counts)):
-            torch.mm(a[:, s:s + c], b[s:s + c], out=ref_out[i])
 
-    fns["torch_mm_loop"] = loop
-    if hasattr(torch, "_grouped_mm") and multiple % 16 == 0:
-        try:
-            gm = lambda: torch._grouped_mm(a, b, offs=offs)  # noqa: E731
-            gm()
-            fns["torch_grouped_mm"] = gm
-        except Exception as exc:  # noqa: BLE001 - record why the competitor did not run
-            row["methods"]["torch_grouped_mm"] = {"error": f"{type(exc).__name__}: {exc}"}
-    fns["dense_cublas"] = lambda: torch.mm(a, b)  # one GEMM with the same FLOPs
-    times = time_interleaved(fns)
-    for name, ms in times.items():
-        record(name, ms)
-    best = min((k for k in times if k.startswith("gwgrad_")), key=times.get)
-    record("gwgrad", times[default_name])
-    row["gwgrad_config"] = list(default.spec.mma_tiler_mn)
-    row["gwgrad_best_config"] = [int(x) for x in best.split("_")[1].split("x")]
-    row["gwgrad_best_vs_default"] = times[default_name] / times[best]
-    if check:
-        out.fill_(float("nan"))
-        fns[default_name]()
-        loop()
-        torch.cuda.synchronize()
-        err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
-        row["rel_err_vs_loop"] = err
-        if not err < 1e-2:
-            row["check_failed"] = True
-
+def summarize(row: Dict, times: Dict[str, float], copy_bytes: int = 0) -> Dict:
+    """Fill ``row`` from the methods' median milliseconds: TFLOP/s, the ratios and the HBM
+    roofline. Ratios are TFLOP/s over TFLOP/s (= time over time, inverted): ratio_vs_X =
+    gwgrad / X (> 1: gwgrad faster); wrapper_over_adapter = wrapper / adapter."""
+    m, n, t = row["hidden"], row["intermediate"], row["tokens_sum"]
+    flops = 2.0 * m * n * t
     meth = row["methods"]
+    for name, ms in times.items():
+        entry = {"ms": ms}
+        if name == "copy":
+            entry.update(bytes=2 * copy_bytes, gbps=copy_bandwidth(copy_bytes, ms) / 1e9)
+        else:
+            entry["tflops"] = flops / ms / 1e9
+        meth[name] = entry
+    tiles = {k: v for k, v in times.items() if k.startswith("gwgrad_")}
+    default = "gwgrad_{}x{}".format(*row["gwgrad_config"]) if row.get("gwgrad_config") else None
+    if default in times:
+        meth["gwgrad"] = dict(meth[default])
+        best = min(tiles, key=tiles.get)
+        row["gwgrad_best_config"] = [int(v) for v in best.split("_")[1].split("x")]
+        row["gwgrad_best_vs_default"] = times[default] / times[best]
+
+    def ms(k):
+        return meth.get(k, {}).get("ms")
+
     for comp in ("torch_grouped_mm", "torch_mm_loop", "dense_cublas"):
-        if "ms" in meth.get("gwgrad", {}) and "ms" in meth.get(comp, {}):
-            row[f"ratio_vs_{comp}"] = meth[comp]["ms"] / meth["gwgrad"]["ms"]
-    del x, dy, out, ref_out
-    torch.cuda.empty_cache()
+        if ms("gwgrad") and ms(comp):
+            row[f"ratio_vs_{comp}"] = ms(comp) / ms("gwgrad")
+    if ms("wrapper") and ms("adapter"):
+        row["wrapper_over_adapter"] = ms("adapter") / ms("wrapper")
+    if ms("adapter") and ms("gwgrad"):
+        row["adapter_over_gwgrad"] = ms("gwgrad") / ms("adapter")
+    hbm = {"bytes": hbm_bytes(m, n, row["num_experts"], t)}
+    if ms("copy") and copy_bytes:
+        bandwidth = copy_bandwidth(copy_bytes, ms("copy"))
+        hbm["copy_gbps"] = bandwidth / 1e9
+        hbm["roofline_ms"] = hbm["bytes"] / bandwidth * 1e3
+        hbm["fraction"] = {k: roofline_fraction(hbm["bytes"], bandwidth, ms(k))
+                           for k in ("gwgrad", "adapter", "wrapper", "torch_grouped_mm",
+                                     "torch_mm_loop", "dense_cublas") if ms(k)}
+    row["hbm"] = hbm
     return row
 
 
-def _cumsum(xs):
-    out, s = [], 0
-    for v in xs:
-        s += v
-        out.append(s)
-    return out
+def _rel_err(got, want, rows=None) -> float:
+    if rows is not None:
+        got, want = got[rows], want[rows]
+    want = want.float()
+    return ((got.float() - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def check_row(row: Dict, inp: RowInputs, fns: Dict[str, Callable[[], object]],
+              default: Optional[KernelRunner]) -> None:
+    """Each gwgrad path (kernel, adapter, wrapper) into a NaN-filled output, against the
+    per-expert cuBLAS loop (FP32 accumulation); torch._grouped_mm against it too."""
+    import torch
+
+    import gwgrad
+
+    sync = torch.cuda.synchronize if inp.device.type == "cuda" else (lambda: None)
+    errs = row["rel_err"] = {}
+    ref = inp.outs["reference"]
+    try:
+        inp.mm_loop()()
+        sync()
+    except Exception as exc:  # noqa: BLE001
+        row["check_error"] = "reference loop: " + _error(exc)
+        return
+    paths = (("gwgrad", default), ("adapter", fns.get("adapter")), ("wrapper", fns.get("wrapper")))
+    for name, fn in paths:
+        if fn is None or "error" in row["methods"].get(name, {}):
+            continue
+        out = inp.outs[name]
+        try:
+            out.fill_(float("nan"))
+            fn()
+            sync()
+            gwgrad.check_errors()  # a device-side offsets check that failed
+            errs[name] = _rel_err(out, ref)
+        except Exception as exc:  # noqa: BLE001
+            errs[name] = float("nan")
+            row.setdefault("check_errors", {})[name] = _error(exc)
+    if "torch_grouped_mm" in fns and "error" not in row["methods"].get("torch_grouped_mm", {}):
+        try:  # experts without tokens: whatever _grouped_mm leaves there is not compared
+            nonempty = torch.tensor([c > 0 for c in inp.counts], device=ref.device)
+            grouped = fns["torch_grouped_mm"]()
+            errs["torch_grouped_mm"] = _rel_err(grouped, ref, nonempty)
+            if "gwgrad" in errs:
+                errs["gwgrad_vs_grouped_mm"] = _rel_err(inp.outs["gwgrad"], grouped, nonempty)
+            del grouped
+        except Exception as exc:  # noqa: BLE001
+            row.setdefault("check_errors", {})["torch_grouped_mm"] = _error(exc)
+    if "gwgrad" in errs:
+        row["rel_err_vs_loop"] = errs["gwgrad"]
+    bad = [k for k in ("gwgrad", "adapter", "wrapper") if k in errs
+           and not errs[k] < CHECK_TOLERANCE]
+    if bad:
+        row["check_failed"] = bad
+
+
+def new_row(shape: Dict, dist: str) -> Dict:
+    return {"name": shape["name"], "dist": dist, "hidden": shape["hidden"],
+            "intermediate": shape["intermediate"], "num_experts": shape["num_experts"],
+            "tokens_sum": shape["tokens_sum"], "small_experts": is_small_experts(shape),
+            "methods": {}}
+
+
+def run_row(shape: Dict, dist: str, configs: List, multiple: int, check: bool,
+            copy: Optional[CopyBuffers] = None, rounds: int = 10,
+            sample_ms: float = 12.0, device: str = "cuda",
+            timer: Optional[Callable] = None) -> Dict:
+    """One row: inputs, every method, timed together, summarized and cross-checked.
+    (``device="cpu"`` with a ``timer`` stand-in checks the wiring without a GPU.)"""
+    import torch
+
+    on_gpu = device != "cpu"
+    row = new_row(shape, dist)
+    inp = RowInputs(shape, dist, multiple, device=device)
+    row.update(max_count=max(inp.counts), min_count=min(inp.counts))
+    fns, default = build_methods(inp, configs, row, copy)
+    times = time_methods(fns, row["methods"], rounds=rounds, sample_ms=sample_ms, timer=timer,
+                         sync=torch.cuda.synchronize if on_gpu else (lambda: None))
+    summarize(row, times, copy.nbytes if copy is not None else 0)
+    if check:
+        check_row(row, inp, fns, default)
+    del fns, default, inp
+    if on_gpu:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return row
+
+
+# ----------------------------------------------------------------------------------------
+# reporting
+# ----------------------------------------------------------------------------------------
 
 
 def format_table(rows: List[Dict]) -> str:
-    head = (f"{'shape':<15} {'dist':<8} {'gwgrad':>8} {'grouped_mm':>10} {'mm_loop':>8} "
-            f"{'dense':>8} {'x grouped':>9} {'x loop':>7} {'x dense':>8} {'tile':>8}")
+    head = (f"{'shape':<14} {'dist':<7} {'gwgrad':>7} {'adapter':>7} {'wrapper':>7} "
+            f"{'grp_mm':>7} {'mm_loop':>7} {'dense':>7}  {'w/a':>5} {'x grp':>5} "
+            f"{'x loop':>6} {'x dense':>7} {'HBM%':>5} {'tile':>7} {'check':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        meth = r["methods"]
+        meth = r.get("methods", {})
 
         def tf(k):
             v = meth.get(k, {}).get("tflops")
-            return f"{v:8.1f}" if v is not None else f"{'-':>8}"
+            return f"{v:7.1f}" if v is not None else f"{'err' if 'error' in meth.get(k, {}) else '-':>7}"
 
-        def ratio(k):
-            v = r.get(f"ratio_vs_{k}")
-            return f"{v:.2f}" if v is not None else "-"
+        def ratio(v, width):
+            return f"{v:{width}.2f}" if v is not None else f"{'-':>{width}}"
 
+        frac = r.get("hbm", {}).get("fraction", {}).get("gwgrad")
+        hbm = f"{100 * frac:4.0f}%" if frac is not None and r.get("small_experts") else f"{'-':>5}"
         tile = "x".join(map(str, r.get("gwgrad_config", []))) or "-"
+        if "error" in r:
+            check = "ERR"
+        elif r.get("check_failed"):
+            check = "FAIL"
+        elif r.get("rel_err"):
+            check = "ok"
+        else:
+            check = "-"
         lines.append(
-            f"{r['name']:<15} {r['dist']:<8} {tf('gwgrad')} {tf('torch_grouped_mm'):>10} "
-            f"{tf('torch_mm_loop')} {tf('dense_cublas')} {ratio('torch_grouped_mm'):>9} "
-            f"{ratio('torch_mm_loop'):>7} {ratio('dense_cublas'):>8} {tile:>8}"
-        )
-    lines.append("(TFLOP/s; ratios are competitor time / gwgrad time: > 1 means gwgrad is faster)")
+            f"{r['name']:<14} {r['dist']:<7} {tf('gwgrad')} {tf('adapter')} {tf('wrapper')} "
+            f"{tf('torch_grouped_mm')} {tf('torch_mm_loop')} {tf('dense_cublas')}  "
+            f"{ratio(r.get('wrapper_over_adapter'), 5)} "
+            f"{ratio(r.get('ratio_vs_torch_grouped_mm'), 5)} "
+            f"{ratio(r.get('ratio_vs_torch_mm_loop'), 6)} "
+            f"{ratio(r.get('ratio_vs_dense_cublas'), 7)} {hbm} {tile:>7} {check:>5}")
+    lines.append("(TFLOP/s. w/a: wrapper / adapter (target >= %.2f); x grp, x loop, x dense: "
+                 "gwgrad / competitor (> 1: gwgrad faster); HBM%%: share of the HBM roofline "
+                 "(bytes / measured copy bandwidth), rows with many small experts)"
+                 % WRAPPER_TARGET)
     return "\n".join(lines)
+
+
+def summary(rows: List[Dict]) -> Dict:
+    """What the issue asks to see, over every row: the worst wrapper/adapter ratio, the HBM
+    roofline shares of the small-expert rows, the copy bandwidth, failures."""
+    wa = [r["wrapper_over_adapter"] for r in rows if "wrapper_over_adapter" in r]
+    copies = [r["methods"]["copy"]["gbps"] for r in rows if "gbps" in r["methods"].get("copy", {})]
+    out = {
+        "rows": len(rows),
+        "wrapper_over_adapter_min": min(wa) if wa else None,
+        "wrapper_target": WRAPPER_TARGET,
+        "wrapper_target_met": bool(wa) and min(wa) >= WRAPPER_TARGET and len(wa) == len(rows),
+        "copy_gbps_median": statistics.median(copies) if copies else None,
+        "hbm_fraction_small_experts": {
+            f"{r['name']}/{r['dist']}": r["hbm"]["fraction"]["gwgrad"] for r in rows
+            if r.get("small_experts") and "gwgrad" in r.get("hbm", {}).get("fraction", {})},
+        "check_failed": [f"{r['name']}/{r['dist']}" for r in rows if r.get("check_failed")],
+        "errors": [f"{r['name']}/{r['dist']}: {k}: {v['error'][:200]}" for r in rows
+                   for k, v in r.get("methods", {}).items() if "error" in v]
+                  + [f"{r['name']}/{r['dist']}: {r['error'][:200]}" for r in rows if "error" in r],
+    }
+    return out
+
+
+def format_summary(s: Dict) -> str:
+    lines = []
+    wa = s.get("wrapper_over_adapter_min")
+    lines.append(f"wrapper/adapter, worst row: {'-' if wa is None else f'{wa:.3f}'} "
+                 f"(target >= {s['wrapper_target']:.2f}: "
+                 f"{'met' if s['wrapper_target_met'] else 'NOT met'})")
+    if s.get("copy_gbps_median"):
+        lines.append(f"copy bandwidth (read + write, median over rows): "
+                     f"{s['copy_gbps_median']:.0f} GB/s")
+    for key, frac in s.get("hbm_fraction_small_experts", {}).items():
+        lines.append(f"HBM roofline reached, {key}: {100 * frac:.1f}%")
+    if s.get("check_failed"):
+        lines.append("CHECK FAILED: " + ", ".join(s["check_failed"]))
+    for e in s.get("errors", [])[:20]:
+        lines.append("error: " + e)
+    return "\n".join(lines)
+
+
+def progress_line(i: int, n: int, row: Dict) -> str:
+    meth = row.get("methods", {})
+
+    def tf(k):
+        v = meth.get(k, {}).get("tflops")
+        return "-" if v is None else f"{v:.0f}"
+
+    wa = row.get("wrapper_over_adapter")
+    err = f" ERROR {row['error'][:160]}" if "error" in row else ""
+    return (f"[{i}/{n}] {row['name']} {row['dist']}: gwgrad {tf('gwgrad')} adapter "
+            f"{tf('adapter')} wrapper {tf('wrapper')} grouped_mm {tf('torch_grouped_mm')} "
+            f"dense {tf('dense_cublas')} TFLOP/s, w/a {'-' if wa is None else f'{wa:.3f}'}, "
+            f"{row.get('seconds', 0):.1f} s{err}")
 
 
 def plot(rows: List[Dict], path: str) -> Optional[str]:
@@ -255,21 +603,29 @@ def plot(rows: List[Dict], path: str) -> Optional[str]:
         import matplotlib.pyplot as plt
     except Exception:  # noqa: BLE001 - the plot is optional
         return None
-    methods = ["gwgrad", "torch_grouped_mm", "torch_mm_loop", "dense_cublas"]
+    methods = ["gwgrad", "adapter", "wrapper", "torch_grouped_mm", "torch_mm_loop",
+               "dense_cublas"]
     labels = [f"{r['name']}\n{r['dist']}" for r in rows]
-    width = 0.2
-    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(rows)), 4.5))
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(rows)), 4.5))
     for i, meth in enumerate(methods):
-        vals = [r["methods"].get(meth, {}).get("tflops", 0.0) for r in rows]
-        ax.bar([j + (i - 1.5) * width for j in range(len(rows))], vals, width, label=meth)
+        vals = [r.get("methods", {}).get(meth, {}).get("tflops", 0.0) for r in rows]
+        offset = (i - (len(methods) - 1) / 2) * width
+        ax.bar([j + offset for j in range(len(rows))], vals, width, label=meth)
     ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_xticklabels(labels, fontsize=6)
     ax.set_ylabel("TFLOP/s")
     ax.set_title("grouped weight gradient (BF16, M-major A, N-major B)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
     return path
+
+
+# ----------------------------------------------------------------------------------------
+# the command
+# ----------------------------------------------------------------------------------------
 
 
 def parse_tile(s: str):
@@ -277,7 +633,7 @@ def parse_tile(s: str):
     return (int(m), int(n))
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gwgrad bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="shapes JSON (default: bundled copy)")
     p.add_argument("--rows", default="", help="comma-separated shape names (default: all)")
@@ -288,38 +644,115 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--unrounded", action="store_true",
                    help="counts not rounded to 256 (torch._grouped_mm is skipped)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness cross-check")
+    p.add_argument("--rounds", type=int, default=10, help="interleaved rounds per row")
+    p.add_argument("--sample-ms", type=float, default=12.0, help="milliseconds per sample")
+    p.add_argument("--copy-gib", type=float, default=2.0,
+                   help="size of the device-to-device copy timed for the HBM roofline (0: none)")
+    p.add_argument("--time-budget", type=float, default=0.0,
+                   help="seconds: rows not started by then are skipped (0: no limit)")
     p.add_argument("--json", default="bench_results.json")
-    p.add_argument("--plot", default="bench_results.png")
+    p.add_argument("--plot", default="bench_results.png", help="PNG path ('' for none)")
+    return p
+
+
+def select_shapes(path: str, rows: str) -> List[Dict]:
+    with open(path) as f:
+        shapes = json.load(f)["shapes"]
+    if rows:
+        wanted = [r for r in rows.split(",") if r]
+        unknown = sorted(set(wanted) - {s["name"] for s in shapes})
+        if unknown:
+            raise SystemExit(f"--rows: unknown shape(s) {unknown}; known: "
+                             f"{[s['name'] for s in shapes]}")
+        shapes = [s for s in shapes if s["name"] in set(wanted)]
+    return shapes
+
+
+def _write(path: str, payload: Dict) -> None:
+    if not path:
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
+    shapes = select_shapes(args.shapes, args.rows)
+    dists = [d for d in args.dist.split(",") if d]
+    try:
+        for d in dists:
+            token_counts(256, 1, d)  # an unknown distribution fails here, before the GPU work
+        tiles = [parse_tile(s) for s in args.tiles.split(",") if s]
+    except ValueError as exc:
+        p.error(f"--dist / --tiles: {exc}")
 
     import torch
+
+    import gwgrad
 
     if not torch.cuda.is_available():
         print("no CUDA GPU: the benchmark needs one", file=sys.stderr)
         return 2
-    with open(args.shapes) as f:
-        shapes = json.load(f)["shapes"]
-    if args.rows:
-        wanted = set(args.rows.split(","))
-        shapes = [s for s in shapes if s["name"] in wanted]
-    tiles = [parse_tile(s) for s in args.tiles.split(",") if s]
     multiple = 8 if args.unrounded else 256
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    rows = []
+    device = torch.cuda.get_device_name()
+    print(f"device: {device}  torch {torch.__version__}  gwgrad {gwgrad.__version__}", flush=True)
+    payload = {"device": device, "torch": torch.__version__, "gwgrad": gwgrad.__version__,
+               "unrounded": args.unrounded,
+               "settings": {"rounds": args.rounds, "sample_ms": args.sample_ms,
+                            "tiles": args.tiles, "copy_gib": args.copy_gib,
+                            "offsets_pool": OFFSETS_POOL},
+               "targets": {"wrapper_over_adapter": WRAPPER_TARGET},
+               "rows": []}
+    copy = None
+    if args.copy_gib > 0:
+        try:
+            copy = CopyBuffers(int(args.copy_gib * 2 ** 30))
+        except Exception as exc:  # noqa: BLE001 - the rest runs without the roofline
+            payload["copy_error"] = _error(exc)
+            print(f"copy buffers: {payload['copy_error']}", flush=True)
+    rows = payload["rows"]
     t0 = time.time()
-    for shape in shapes:
-        for dist in args.dist.split(","):
-            row = run_row(shape, dist, tiles, multiple, not args.no_check)
+    todo = [(shape, dist) for shape in shapes for dist in dists]
+    for i, (shape, dist) in enumerate(todo, 1):
+        if args.time_budget and time.time() - t0 > args.time_budget:
+            row = new_row(shape, dist)
+            row["error"] = f"skipped: --time-budget {args.time_budget:.0f} s spent"
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "methods"}), flush=True)
-    table = format_table(rows)
-    print(table)
-    with open(args.json, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "unrounded": args.unrounded, "rows": rows, "seconds": time.time() - t0},
-                  f, indent=1)
+            print(progress_line(i, len(todo), row), flush=True)
+            continue
+        start = time.time()
+        try:
+            row = run_row(shape, dist, tiles, multiple, not args.no_check, copy,
+                          rounds=args.rounds, sample_ms=args.sample_ms)
+        except Exception as exc:  # noqa: BLE001 - one row must not stop the others
+            row = new_row(shape, dist)
+            row["error"] = _error(exc)
+            try:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            except Exception:  # noqa: BLE001 - a broken context: the next rows say so
+                pass
+        row["seconds"] = time.time() - start
+        rows.append(row)
+        print(progress_line(i, len(todo), row), flush=True)
+        payload["seconds"] = time.time() - t0
+        _write(args.json, payload)  # what was measured survives a timeout
+    payload["summary"] = summary(rows)
+    payload["seconds"] = time.time() - t0
+    _write(args.json, payload)
     if args.plot:
-        plot(rows, args.plot)
+        try:
+            plot(rows, args.plot)
+        except Exception as exc:  # noqa: BLE001 - the plot is optional
+            print(f"plot: {_error(exc)}")
+    print()
+    print(format_summary(payload["summary"]))
+    print(format_table(rows))
+    if args.json:
+        print(f"wrote {args.json} ({payload['seconds']:.0f} s)")
     return 0
 
 

@@ -10,10 +10,10 @@ import time
 
 import numpy as np
 
-from .api import grouped_gemm_wgrad
-from .backends.reference import decode, round_to_bfloat16_bits
-from .dtypes import DType
-from .tensors import from_pointer
+from ..api import grouped_gemm_wgrad
+from ..backends.reference import decode, round_to_bfloat16_bits
+from ..dtypes import DType
+from ..tensors import from_pointer
 
 
 def _loop_reference(a: np.ndarray, b: np.ndarray, offsets: np.ndarray) -> np.ndarray:

@@ -1,17 +1,26 @@
-"""Shared test setup: the ``gpu`` marker skips cleanly where no CUDA GPU is usable."""
+"""Shared test setup: the ``gpu`` marker skips cleanly where no CUDA GPU is usable; every test
+draws fresh random inputs from a seed of its own, printed when it fails (replay one with
+``GWGRAD_TEST_SEED=<seed>``); compiled kernels go to a per-session cache directory, never the
+user's."""
 
 from __future__ import annotations
 
 import os
+import random
+import secrets
+import sys
+import tempfile
 
 import pytest
 
 # JAX would take 75% of GPU memory when first used; torch, CuPy and other pytest workers share
 # the GPU in the same run. Set before any test module imports JAX.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# The disk cache of compiled kernels: a fresh directory per test session (subprocesses inherit it).
+os.environ["GWGRAD_CACHE_DIR"] = tempfile.mkdtemp(prefix="gwgrad-test-cache-")
 
-import gwgrad
-from gwgrad import cuda
+import gwgrad  # noqa: E402
+from gwgrad import cuda  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -31,9 +40,33 @@ def _fresh_operator_cache():
     gwgrad.clear_cache()
 
 
-@pytest.fixture
-def rng(request):
-    # A different seed per test (and per run): fresh random inputs, never zeros.
+@pytest.fixture(autouse=True)
+def seed(request) -> int:
+    """This test's seed: NumPy's, Python's and torch's global generators start from it, and
+    ``rng`` is made from it."""
+    value = int(os.environ.get("GWGRAD_TEST_SEED") or secrets.randbits(32))
+    request.node.gwgrad_seed = value
+    random.seed(value)
     import numpy as np
 
-    return np.random.default_rng()
+    np.random.seed(value)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(value)
+    return value
+
+
+@pytest.fixture
+def rng(seed):
+    import numpy as np
+
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    value = getattr(item, "gwgrad_seed", None)
+    if report.failed and value is not None:
+        report.sections.append(("gwgrad seed", f"replay with GWGRAD_TEST_SEED={value}"))

@@ -118,6 +118,9 @@ def test_errors_name_the_adapter_arguments(rng):
                   out=[np.zeros((INTER, HIDDEN), np.float32).T] * 4)
     with pytest.raises(ValueError, match=r"^x: expected 2 dims|^x \(a_tensor = x.T\): expected 2"):
         gwc.wgrad(x[None], dy, offsets, dtype="bfloat16")
+    for bad in ("float64", "int32", np.float64):  # a ValueError naming out_dtype, no KeyError
+        with pytest.raises(gwgrad.ArgumentError, match=r"^out_dtype: expected None, 'bfloat16'"):
+            gwc.wgrad(x, dy, offsets, dtype="bfloat16", out_dtype=bad)
 
 
 def test_cupy_arrays_are_recognized():

@@ -136,6 +136,29 @@ def test_errors_name_the_adapter_arguments():
         gwt.wgrad(x, dy, offsets - 1)
 
 
+def test_bad_argument_kinds_and_devices_are_value_errors():
+    x, dy, offsets = inputs()
+    with pytest.raises(gwgrad.ArgumentError, match=r"^x: expected a torch.Tensor, got list"):
+        gwt.wgrad(x.tolist(), dy, offsets)
+    with pytest.raises(ValueError, match=r"^offsets: expected a torch.Tensor, got ndarray"):
+        gwt.wgrad(x, dy, offsets.numpy())
+    with pytest.raises(ValueError, match=r"^out_dtype: expected None, torch.bfloat16"):
+        gwt.wgrad(x, dy, offsets, out_dtype=torch.float64)  # not blamed on out
+    with pytest.raises(ValueError, match=r"^out: expected None, a tensor or a non-empty list"):
+        gwt.wgrad(x, dy, offsets, out=[])
+    # A meta tensor among real ones would reach the op's fake kernel: a ValueError instead.
+    for name, args in (("offsets", (x, dy, offsets.to("meta"))), ("dy", (x, dy.to("meta"), offsets))):
+        with pytest.raises(ValueError, match=f"^{name}: expected a tensor on cpu like x, got one "
+                                             "on meta"):
+            gwt.wgrad(*args)
+    out = torch.full((4, HIDDEN, INTER), float("nan"))
+    with pytest.raises(ValueError, match=r"^out: expected a tensor on cpu like x"):
+        gwt.wgrad(x, dy, offsets, out=out.to("meta"))
+    # All on meta: shape propagation through the op (tracing), as before.
+    w = gwt.wgrad(x.to("meta"), dy.to("meta"), offsets.to("meta"))
+    assert w.is_meta and w.shape == (4, HIDDEN, INTER)
+
+
 def test_validate_offsets_refused_under_compile():
     x, dy, offsets = inputs()
 

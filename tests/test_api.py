@@ -88,7 +88,10 @@ def test_cache_reuses_one_operator_across_tokens_offsets_and_storage(rng):
     a, b = operands(p1)
     gwgrad.grouped_gemm_wgrad(a, b, offsets_tensor=p1.offsets, mma_tiler_mn=(128, 256),
                               cluster_shape_mn=(1, 1), wgrad_tensor=poisoned((4, 16, 24), "float32"))
-    assert gwgrad.cache_info() == start
+    end = gwgrad.cache_info()
+    assert {k: end[k] for k in ("operators", "constructed", "compiled")} == \
+        {k: start[k] for k in ("operators", "constructed", "compiled")}
+    assert end["plans"] == start["plans"] + 1  # a new call signature, the same operator
 
 
 @pytest.mark.parametrize("change", ["wgrad_dtype", "accumulate", "a_major", "b_major", "order",
@@ -163,17 +166,18 @@ def test_class_lifecycle_discrete(rng):
     np.testing.assert_array_equal(stacked, np.stack(outputs))
 
 
-def test_launch_with_descriptors(rng):
+def test_launch_plan_from_descriptors(rng):
     p = bf16_problem(rng, counts=(8, 0, 24, 16))
     a, b = operands(p)
     out = poisoned((4, 16, 24), "float32")
-    op = gwgrad.GroupedGemmWgrad(a, b, None, None, p.offsets, out)
-    op.compile()
-    args = LaunchArgs(a=a, b=b, offsets=gwgrad.as_tensor_desc(p.offsets, "offsets_tensor"),
-                      tokens_sum=0, wgrad=gwgrad.as_tensor_desc(out, "wgrad_tensor"))
-    op.launch(args)
-    assert args.tokens_sum == p.tokens_sum
+    offsets = gwgrad.as_tensor_desc(p.offsets, "offsets_tensor")
+    plan = gwgrad.plan_for(a, b, offsets, wgrad=gwgrad.as_tensor_desc(out, "wgrad_tensor"))
+    assert plan.tokens_sum == p.tokens_sum and plan.spec.arch == "cpu"
+    assert gwgrad.plan_for(a, b, offsets, wgrad=gwgrad.as_tensor_desc(out, "w")) is plan
+    plan.launch(a.ptr, b.ptr, offsets.ptr, out.ctypes.data)
     np.testing.assert_allclose(out, p.expected(), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="^wgrad_tensor: expected a 16-byte aligned"):
+        plan.launch(a.ptr, b.ptr, offsets.ptr, out.ctypes.data + 4)
 
 
 def test_torch_cpu_end_to_end(rng):
@@ -252,7 +256,7 @@ def test_cuda_path_reaches_the_backend_with_a_final_spec(recorder):
     (compiled, launched_spec, args), (_, _, args2) = recorder.calls
     assert compiled == ("compiled", spec) and launched_spec == spec
     assert (args.tokens_sum, args2.tokens_sum, args.stream, args.workspace) == (t, t // 2, 0x5000, 0)
-    assert args.wgrad is out and args.wgrad_ptrs is None
+    assert args.wgrad.ptr == out.ptr and args.wgrad_ptrs is None
 
 
 def test_cuda_path_class_api_and_discrete_pointers(recorder):
@@ -270,7 +274,7 @@ def test_cuda_path_class_api_and_discrete_pointers(recorder):
     assert op.spec.a_major == "k" and op.spec.output_mode == "discrete"
     op.execute(a, b, None, None, offsets, wgrad_ptrs=ptrs, current_stream=7)
     _, _, args = recorder.calls[-1]
-    assert args.wgrad_ptrs is ptrs and args.stream == 7 and args.tokens_sum == t
+    assert args.wgrad_ptrs.ptr == ptrs.ptr and args.stream == 7 and args.tokens_sum == t
     with pytest.raises(ValueError, match="^wgrad_ptrs:"):
         op.execute(a, b, None, None, offsets, wgrad_ptrs=cuda_desc((e,), None, DType.INT64, (5 << 32) + 8))
     with pytest.raises(ValueError, match="^a_tensor:"):
@@ -297,8 +301,8 @@ def test_spec_is_the_cache_key(rng):
     p = bf16_problem(rng)
     a, b = operands(p)
     gwgrad.grouped_gemm_wgrad(a, b, offsets_tensor=p.offsets)
-    from gwgrad import api
+    from gwgrad import plan
 
-    keys = list(api._operators)
+    keys = list(plan._compiled)
     assert all(isinstance(k, gwgrad.StaticSpec) for k in keys)
     assert dataclasses.replace(keys[0]) == keys[0] and hash(dataclasses.replace(keys[0])) == hash(keys[0])

@@ -18,12 +18,7 @@ HIDDEN, INTER = 256, 384
 
 
 def _call(*args, **kwargs):
-    try:
-        return gwgrad.grouped_gemm_wgrad(*args, **kwargs)
-    except RuntimeError as exc:
-        if "not available yet" in str(exc):
-            pytest.skip(str(exc))
-        raise
+    return gwgrad.grouped_gemm_wgrad(*args, **kwargs)
 
 
 def make_inputs(counts, a_major="m", b_major="n", order="tensor2d", hidden=HIDDEN, inter=INTER):
@@ -129,11 +124,16 @@ def test_stream_argument_and_offsets_checked_on_the_device():
     (want,) = gwgrad.grouped_gemm_wgrad(*cpu[:2], offsets_tensor=cpu[2], wgrad_dtype=torch.float32)
     assert rel_err(out, want) <= 1e-5
     bad = torch.tensor([300, 200], dtype=torch.int32, device="cuda")
-    with pytest.raises(ValueError, match="^offsets_tensor:"):
-        _call(*gpu[:2], offsets_tensor=bad, wgrad_tensor=out)
+    with pytest.raises(ValueError, match="^offsets_tensor:"):  # the host check, asked for
+        _call(*gpu[:2], offsets_tensor=bad, wgrad_tensor=out, validate_offsets=True)
+    before = out.clone()
+    _call(*gpu[:2], offsets_tensor=bad, wgrad_tensor=out)  # default: the device check
+    with pytest.raises(ValueError, match="^offsets_tensor: expected non-decreasing"):
+        gwgrad.check_errors()
+    assert torch.equal(out, before)
 
 
-def test_cuda_graph_capture_skips_the_host_check():
+def test_cuda_graph_capture():
     gpu, cpu = make_inputs([384, 128])
     out = torch.empty(2, HIDDEN, INTER, dtype=torch.float32, device="cuda")
     _call(*gpu[:2], offsets_tensor=gpu[2], wgrad_tensor=out)  # warm-up: compile, workspace

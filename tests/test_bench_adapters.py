@@ -1,6 +1,7 @@
-"""gwgrad.bench_adapters' GPU-independent parts: step guards and deadlines, the wall-clock
-timer, the table, the ragged_dot_general competitor's formulation (on the CPU), and a clean
-exit without a GPU."""
+"""gwgrad.bench.adapters' GPU-independent parts: step guards and (nested) deadlines, the
+wall-clock timers, the tables, the host-overhead section run end to end on CPU tensors (the
+reference backend: its figures are not overheads, the wiring is what is checked), the
+ragged_dot_general competitor's formulation (on the CPU), and a clean exit without a GPU."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from gwgrad import bench_adapters as ba
+from gwgrad.bench import adapters as ba
 
 
 def test_guarded_records_errors_and_deadlines():
@@ -25,6 +26,64 @@ def test_guarded_records_errors_and_deadlines():
     assert "StepTimeout" in results["errors"][1]["error"]
 
 
+def test_nested_deadlines_keep_the_outer_one():
+    results = {"errors": []}
+
+    def inner_steps():
+        assert ba.guarded(results, "quick", 30, lambda: 1) == 1  # re-arms the outer deadline
+        time.sleep(5)  # the outer deadline (1 s) still fires
+
+    start = time.monotonic()
+    assert ba.guarded(results, "outer", 1, inner_steps) is None
+    assert time.monotonic() - start < 4
+    assert [e["step"] for e in results["errors"]] == ["outer"]
+    # an inner deadline never outlives the outer one
+    start = time.monotonic()
+    assert ba.guarded(results, "outer2", 1,
+                      lambda: ba.guarded(results, "inner", 30, lambda: time.sleep(5))) is None
+    assert time.monotonic() - start < 4
+
+
+def test_per_call_us_batches_without_sync_inside():
+    events = []
+    samples = ba.per_call_us(lambda: events.append("call"), lambda: events.append("sync"),
+                             batch=50, batches=3, warmup=2)
+    assert len(samples) == 3 and all(s >= 0 for s in samples)
+    assert events[:3] == ["call", "call", "sync"]
+    assert events[3:] == (["call"] * 50 + ["sync"]) * 3
+    slow = ba.per_call_us(lambda: time.sleep(0.001), lambda: None, batch=5, batches=2, warmup=0)
+    assert min(slow) >= 900
+
+
+def test_host_overhead_wiring_on_the_cpu():
+    pytest.importorskip("torch")
+    results = {"overhead_us": {}, "overhead": {}, "skipped": [], "errors": [], "kernel": []}
+    ba.host_overhead(results, ["torch", "cupy", "jax"], batch=3, batches=2, step_s=60,
+                     device="cpu", problem={"hidden": 16, "intermediate": 24,
+                                            "num_experts": 4, "tokens_sum": 64})
+    assert results["errors"] == []
+    assert set(results["overhead_us"]) == {
+        "wrapper", "wrapper_same_offsets", "class_execute", "plan_launch", "torch_wgrad_out",
+        "torch_wgrad_alloc", "torch_op_into"}
+    entry = results["overhead"]["wrapper"]
+    assert entry["target_us"] == 20.0 and len(entry["samples_us"]) == 2
+    assert results["overhead"]["torch_wgrad_out"]["target_us"] == 15.0
+    assert "target_us" not in results["overhead"]["plan_launch"]
+    assert results["overhead_settings"]["batch"] == 3
+    table = ba.format_tables(results)
+    assert "host overhead per cached call" in table and "class_execute" in table
+    assert "row " not in table  # no kernel table without kernel rows
+
+
+def test_the_default_overhead_problem_and_targets():
+    assert ba.OVERHEAD_PROBLEM == {"hidden": 256, "intermediate": 256, "num_experts": 8,
+                                   "tokens_sum": 2048}
+    assert ba.OVERHEAD_TARGETS_US == {"wrapper": 20.0, "adapters": 15.0}
+    assert set(ba.OVERHEAD_TARGET_OF) >= {"wrapper", "class_execute", "torch_wgrad_out",
+                                          "torch_wgrad_alloc", "torch_op_into",
+                                          "cupy_wgrad_out", "jax_jit_call"}
+
+
 def test_wall_ms_and_table():
     ms = ba.wall_ms({"a": lambda: time.sleep(0.002), "b": lambda: None},
                     {"a": lambda _: None, "b": lambda _: None}, rounds=3, sample_ms=10)
@@ -34,10 +93,17 @@ def test_wall_ms_and_table():
                                   "jax_ragged_dot_general": 7.5},
                            "ratio_vs_core": {"torch": 1.01, "jax": 1.02},
                            "ragged_dot_over_gwgrad": 1.47}],
-               "overhead_us": {"torch_wgrad_out": 14.0}, "errors": [{"step": "s", "error": "e"}]}
+               "overhead_us": {"torch_wgrad_out": 14.0, "wrapper": 25.0},
+               "overhead": {"torch_wgrad_out": {"us": 14.0, "target_us": 15.0,
+                                                "target_met": True},
+                            "wrapper": {"us": 25.0, "target_us": 20.0, "target_met": False}},
+               "overhead_gpu_floor_us": 4.2, "skipped": ["cupy_wgrad_out: not installed"],
+               "errors": [{"step": "s", "error": "e"}]}
     table = ba.format_tables(results)
     assert "dsv3-fc1" in table and "1.010" in table and "1.47" in table
     assert "torch_wgrad_out" in table and "errors: s: e" in table
+    assert "target <= 15: ok" in table and "target <= 20: MISSED" in table
+    assert "4.20" in table and "skipped: cupy_wgrad_out" in table
 
 
 def test_ragged_dot_general_weight_gradient_form():
@@ -63,3 +129,5 @@ def test_main_without_a_gpu_exits_cleanly(monkeypatch, tmp_path):
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert ba.main(["--json", str(tmp_path / "out.json")]) == 2
+    assert ba.main(["--skip-kernel", "--overhead-batch", "100", "--overhead-batches", "3",
+                    "--json", str(tmp_path / "out.json")]) == 2

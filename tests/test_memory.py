@@ -1,5 +1,6 @@
-"""DeviceBuffer, workspaces, output allocation for raw CUDA pointers and the device-side offsets
-check, against a stand-in for the CUDA runtime that serves host memory (no GPU needed)."""
+"""DeviceBuffer, workspaces, output allocation for raw CUDA pointers and the host-side offsets
+check of device memory, against a stand-in for the CUDA runtime that serves host memory (no
+GPU needed)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 import gwgrad
-from gwgrad import DType, as_tensor_desc, from_pointer, memory
+from gwgrad import DType, as_tensor_desc, from_pointer
+from gwgrad.interop import buffer as memory
 from gwgrad import backends as backends_mod
 from gwgrad.offsets import check_values
 from gwgrad.validation import build_spec
@@ -161,12 +163,16 @@ def test_raw_pointer_inputs_get_device_buffers_and_a_pointer_array(fake_cuda, mo
     offsets = _cuda_problem(fake_cuda, [56, 56, 256], tokens)
 
     (dense,) = gwgrad.grouped_gemm_wgrad(a, b, offsets_tensor=offsets, wgrad_dtype="float32",
-                                         current_stream=5)
+                                         current_stream=5, validate_offsets=True)
     assert isinstance(dense, memory.DeviceBuffer) and dense.shape == (3, h, n)
     args = rec.calls[-1]
     assert args.wgrad.ptr == dense.ptr and args.wgrad.dtype == DType.FLOAT32
     assert args.workspace != 0 and args.stream == 5 and args.tokens_sum == tokens
-    assert ("d2h", 12, 5) in fake_cuda.copies  # the eager offsets check
+    assert ("d2h", 12, 5) in fake_cuda.copies  # the host check asked for
+    copies = len(fake_cuda.copies)
+    gwgrad.grouped_gemm_wgrad(a, b, offsets_tensor=offsets, wgrad_dtype="float32",
+                              current_stream=5)
+    assert len(fake_cuda.copies) == copies  # by default: no copy, no synchronization
 
     (stacked,) = gwgrad.grouped_gemm_wgrad(a, b, offsets_tensor=offsets, output_mode="discrete",
                                            current_stream=5, validate_offsets=False)
@@ -174,4 +180,4 @@ def test_raw_pointer_inputs_get_device_buffers_and_a_pointer_array(fake_cuda, mo
     ptrs = np.ctypeslib.as_array((ctypes.c_int64 * 3).from_address(args.wgrad_ptrs.ptr))
     step = h * n * 2
     assert ptrs.tolist() == [stacked.ptr, stacked.ptr + step, stacked.ptr + 2 * step]
-    assert args.wgrad_ptrs.is_cuda and args.wgrad.ptr == stacked.ptr
+    assert args.wgrad_ptrs.is_cuda and args.wgrad is None

@@ -1,26 +1,27 @@
-"""The adapters' per-call path (gwgrad.api.operator_for, gwgrad.prepared) without a GPU: a
-stand-in CUDA backend records what reaches it; CPU descriptors run on the reference."""
+"""The plan tier (gwgrad.plan) without a GPU: a stand-in CUDA backend records what reaches it
+through its raw-address launcher or, without one, through ``launch``; CPU descriptors run on
+the reference. The device status record is a host buffer here."""
 
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 import pytest
 
 import gwgrad
-from gwgrad import DType, LaunchArgs, from_pointer
+from gwgrad import DType, LaunchArgs, from_pointer, status
 from gwgrad import backends as backends_mod
-from gwgrad.api import operator_for
-from gwgrad.prepared import prepare_call
+from gwgrad.plan import plan_for
 from wgrad_cases import bf16, bf16_problem, layout_a, layout_b
 
 
 class PointerRecorder(gwgrad.Backend):
     name = "pointer_recorder"
 
-    def __init__(self, with_pointer_launch=True):
+    def __init__(self, with_launcher=True):
         self.compiled, self.calls, self.pointer_calls = [], [], []
-        if with_pointer_launch:
-            self.launch_pointers = self._launch_pointers
+        self.with_launcher = with_launcher
 
     def check_support(self, spec):
         pass
@@ -35,16 +36,27 @@ class PointerRecorder(gwgrad.Backend):
     def launch(self, compiled, spec, args):
         self.calls.append(args)
 
-    def _launch_pointers(self, compiled, spec, device_id, *values):
-        self.pointer_calls.append((compiled, device_id) + values)
+    def launcher(self, compiled, spec, device_id):
+        if not self.with_launcher:
+            return None
+        return lambda *values: self.pointer_calls.append((compiled, device_id) + values)
 
 
-@pytest.fixture(params=[True, False], ids=["launch_pointers", "launch"])
+_record = (ctypes.c_int32 * 32)()
+
+
+@pytest.fixture(params=[True, False], ids=["launcher", "launch"])
 def backend(request, monkeypatch):
-    rec = PointerRecorder(with_pointer_launch=request.param)
+    rec = PointerRecorder(with_launcher=request.param)
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
     monkeypatch.setitem(backends_mod._instances,
                         ("gwgrad.backends.bf16_sm100", "Bf16Sm100Backend"), rec)
+    # The status record in host memory (no CUDA here); clean before and after.
+    ctypes.memset(_record, 0, ctypes.sizeof(_record))
+    monkeypatch.setattr(status, "_address", ctypes.addressof(_record))
+    monkeypatch.setattr(status, "_code", ctypes.c_int32.from_address(ctypes.addressof(_record)))
+    # Per-stream workspaces without a GPU: any non-zero address will do for a recorder.
+    monkeypatch.setattr(gwgrad.interop, "workspace", lambda device, stream, nbytes: 0xABC000)
     return rec
 
 
@@ -62,64 +74,86 @@ def descs(a_ptr=1 << 32, b_ptr=2 << 32, off_ptr=3 << 32, out_ptr=4 << 32, tokens
             cuda((E, H, N), None, DType.FLOAT32, out_ptr))
 
 
-def test_operator_for_checks_once_per_signature(backend):
+def test_plan_checks_once_per_signature(backend):
     a, b, off, out = descs()
-    op = operator_for(a, b, off, wgrad=out)
-    assert op is operator_for(*descs(a_ptr=5 << 32)[:3], wgrad=out)  # new storage: same op
-    assert len(backend.compiled) == 1
+    plan = plan_for(a, b, off, wgrad=out)
+    assert plan is plan_for(*descs(a_ptr=5 << 32)[:3], wgrad=out)  # new storage: same plan
+    assert gwgrad.cache_info()["plans"] >= 1
     with pytest.raises(ValueError, match="^b_tensor:"):
-        operator_for(a, descs(tokens=T // 2)[1], off, wgrad=out)
-    other = operator_for(*descs(tokens=T // 2)[:3], wgrad=out)  # a new signature
-    assert other is op  # tokens_sum is dynamic: the same compiled operator
-    assert operator_for(a, b, off, wgrad=out, accumulate_on_output=True) is not op
-    gwgrad.clear_cache()
-    assert operator_for(a, b, off, wgrad=out) is not op
+        plan_for(a, descs(tokens=T // 2)[1], off, wgrad=out)
+    other = plan_for(*descs(tokens=T // 2)[:3], wgrad=out)  # a new signature, same operator
+    assert other is not plan and other.operator is plan.operator and other.tokens_sum == T // 2
+    assert plan_for(a, b, off, wgrad=out, accumulate_on_output=True).operator is not plan.operator
+    assert len(backend.compiled) == 2
 
 
-def test_prepared_call_launches_from_addresses(backend):
+def test_launch_passes_addresses_stream_workspace_and_status(backend):
     a, b, off, out = descs()
-    call = prepare_call(a, b, off, wgrad=out)
-    assert (call.is_cuda, call.device_id, call.workspace_bytes, call.tokens_sum) == (
-        True, 0, 4096, T)
-    call.launch(16 << 32, 17 << 32, 18 << 32 | 4, 19 << 32, stream=0x77, workspace=0x1000)
-    if backend.pointer_calls:
-        (compiled, device, *values), = backend.pointer_calls
-        assert compiled == ("compiled", call.operator.spec) and device == 0
-        assert values == [16 << 32, 17 << 32, 18 << 32 | 4, 19 << 32, 0x1000, T, 0x77]
+    plan = plan_for(a, b, off, wgrad=out)
+    plan.launch(16 << 32, 17 << 32, 18 << 32 | 4, 19 << 32, stream=0x77, workspace=0x1000)
+    plan.launch(16 << 32, 17 << 32, 18 << 32, 19 << 32, stream=0x78)  # gwgrad's workspace
+    if backend.with_launcher:
+        (c, dev, *values), (_, _, *values2) = backend.pointer_calls
+        assert c == ("compiled", plan.spec) and dev == 0
+        assert values == [0x77, 16 << 32, 17 << 32, 18 << 32 | 4, 19 << 32, 0x1000,
+                          ctypes.addressof(_record), T]
+        assert values2[5] == 0xABC000
     else:
-        (args,) = backend.calls
-        assert isinstance(args, LaunchArgs)
-        assert (args.a.ptr, args.b.ptr, args.offsets.ptr, args.wgrad.ptr) == (
-            16 << 32, 17 << 32, 18 << 32 | 4, 19 << 32)
+        args, args2 = backend.calls
+        assert isinstance(args, LaunchArgs) and args.a.ptr == 16 << 32
         assert (args.stream, args.workspace, args.tokens_sum) == (0x77, 0x1000, T)
-        assert args.a.owner is None  # the prepared call holds no user memory
-    for bad, name in (((1 << 32) + 8, "a_tensor"), ((3 << 32) + 2, "offsets_tensor")):
-        values = [1 << 32, 2 << 32, 3 << 32, 4 << 32]
-        values[0 if name == "a_tensor" else 2] = bad
-        with pytest.raises(ValueError, match=f"^{name}: expected a .*-byte aligned"):
-            call.launch(*values)
+        assert args.wgrad.ptr == 19 << 32 and args.wgrad.shape == (E, H, N)
+        assert args2.workspace == 0xABC000
+    for values in ((16 << 32 | 8, 1, 2, 3), (0, 17 << 32 | 2, 0, 0), (0, 0, 2, 0), (0, 0, 0, 8)):
+        with pytest.raises(ValueError, match="16-byte aligned|4-byte aligned"):
+            plan.launch(*values)
 
 
-def test_prepared_discrete_call(backend):
+def test_a_recorded_device_error_is_raised_by_the_next_launch(backend):
+    a, b, off, out = descs()
+    plan = plan_for(a, b, off, wgrad=out)
+    _record[:6] = [2, 3, 500, 400, T, 1]  # what the prep kernel writes: last offset != T
+    with pytest.raises(ValueError, match=r"^offsets_tensor: expected the last offset to equal "
+                                         r"tokens_sum = 512, got offsets_tensor\[3\] = 500 "
+                                         r"\(found by the device-side check"):
+        plan.launch(1 << 32, 2 << 32, 3 << 32, 4 << 32)
+    assert list(_record[:6]) == [0] * 6  # reported once, cleared
+    calls = len(backend.pointer_calls) + len(backend.calls)
+    plan.launch(1 << 32, 2 << 32, 3 << 32, 4 << 32)
+    assert len(backend.pointer_calls) + len(backend.calls) == calls + 1
+    _record[:6] = [1, 2, 10, 90, T, 1]
+    with pytest.raises(ValueError, match=r"non-decreasing offsets, got offsets_tensor\[2\] = 10 "
+                                         r"after offsets_tensor\[1\] = 90"):
+        gwgrad.check_errors(synchronize=False)
+    gwgrad.check_errors(synchronize=False)  # nothing left
+
+
+def test_discrete_plan_takes_the_pointer_array(backend):
     a, b, off, _ = descs()
     ptrs = cuda((E,), None, DType.INT64, 6 << 32)
-    call = prepare_call(a, b, off, wgrad_ptrs=ptrs, output_mode="discrete",
-                        wgrad_dtype=DType.BFLOAT16)
-    assert call.discrete and call.operator.spec.output_mode == "discrete"
-    call.launch(1 << 32, 2 << 32, 3 << 32, 7 << 32, stream=5, workspace=64)
-    if backend.calls:
-        assert backend.calls[0].wgrad_ptrs.ptr == 7 << 32 and backend.calls[0].wgrad is None
-    with pytest.raises(ValueError, match="^wgrad_ptrs: expected a 16-byte"):
-        call.launch(1 << 32, 2 << 32, 3 << 32, (7 << 32) + 8)
+    plan = plan_for(a, b, off, wgrad_ptrs=ptrs, output_mode="discrete", wgrad_dtype="bfloat16")
+    assert plan.discrete and plan.workspace_bytes == 4096
+    plan.launch(1 << 32, 2 << 32, 3 << 32, 7 << 32, stream=5, workspace=64)
+    if backend.with_launcher:
+        assert backend.pointer_calls[-1][2:7] == (5, 1 << 32, 2 << 32, 3 << 32, 7 << 32)
+    else:
+        args = backend.calls[-1]
+        assert args.wgrad is None and args.wgrad_ptrs.ptr == 7 << 32
+    with pytest.raises(ValueError, match="^wgrad_ptrs: expected a 16-byte aligned"):
+        plan.launch(1 << 32, 2 << 32, 3 << 32, (7 << 32) + 8)
 
 
-def test_prepared_call_on_the_cpu(rng):
+def test_cpu_plan_runs_the_reference(rng):
     p = bf16_problem(rng)
     a = layout_a(bf16(p.a), p.counts, "m", "tensor2d")
     b = layout_b(bf16(p.b), p.counts, "n", "tensor2d")
     offsets = gwgrad.as_tensor_desc(p.offsets, "offsets")
     out = np.full((p.experts, p.a.shape[0], p.b.shape[1]), np.nan, np.float32)
-    call = prepare_call(a.desc, b.desc, offsets, wgrad=gwgrad.as_tensor_desc(out, "out"))
-    assert not call.is_cuda and call.workspace_bytes == 0
-    call.launch(a.desc.ptr, b.desc.ptr, offsets.ptr, out.ctypes.data)
+    plan = plan_for(a.desc, b.desc, offsets, wgrad=gwgrad.as_tensor_desc(out, "out"))
+    assert not plan.is_cuda and plan.workspace_bytes == 0
+    plan.launch(a.desc.ptr, b.desc.ptr, offsets.ptr, out.ctypes.data)
     np.testing.assert_allclose(out, p.expected(), rtol=1e-6, atol=1e-6)
+    bad = p.offsets.copy()
+    bad[-1] += 1  # the reference checks on the host, always
+    with pytest.raises(ValueError, match=r"^offsets_tensor: expected the last offset"):
+        plan.launch(a.desc.ptr, b.desc.ptr, bad.ctypes.data, out.ctypes.data)

@@ -10,8 +10,8 @@ import pytest
 
 import gwgrad
 from gwgrad import DType, TensorDesc, as_tensor_desc, from_dlpack, from_pointer
-from gwgrad.memory import _exports, export_dlpack
-from gwgrad.streams import resolve_stream, stream_handle
+from gwgrad.interop.dlpack import _exports, export_dlpack
+from gwgrad.interop import resolve_stream, stream_handle
 
 
 def test_numpy_contiguous_and_strided():

@@ -1,0 +1,60 @@
+"""``check_support()`` returning True means ``compile()`` succeeds: every tiling x cluster the
+predicates accept compiles for its architecture (CPU, the DSL's --gpu-arch), and what they
+reject is a ValueError naming the argument, on the GPU backends and on the CPU reference alike
+(one predicate: gwgrad/kernels/tiling.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from gwgrad.kernels.tiling import PROBLEMS
+
+TILES = list(itertools.product((64, 128, 256), (64, 96, 128, 160, 192, 224, 256)))
+CLUSTERS = [(1, 1), (2, 1), (4, 1), (1, 2)]
+COMBOS = [(arch, tile, cluster) for arch in ("sm_90a", "sm_100a")
+          for tile in TILES for cluster in CLUSTERS]
+
+
+def _spec(arch, tile, cluster, **kw):
+    from kernel_compile import spec
+
+    return spec(arch, tile=tile, cluster=cluster, **kw)
+
+
+@pytest.mark.parametrize("arch,tile,cluster", COMBOS,
+                         ids=[f"{a}-{t[0]}x{t[1]}-c{c[0]}{c[1]}" for a, t, c in COMBOS])
+def test_check_support_agrees_with_compile(arch, tile, cluster):
+    pytest.importorskip("cutlass")
+    from gwgrad import plan
+    from gwgrad.backends import finalize_spec
+
+    accepted = PROBLEMS[arch](tile, cluster) is None
+    if not accepted:
+        with pytest.raises(ValueError, match="^(mma_tiler_mn|cluster_shape_mn): "):
+            finalize_spec(_spec(arch, tile, cluster))
+        return
+    spec, backend = finalize_spec(_spec(arch, tile, cluster, out="float32"))  # check_support
+    operator = plan.CompiledOperator(spec, backend)  # compile() must succeed
+    assert operator.handle is not None and operator.workspace_bytes > 0
+
+
+@pytest.mark.parametrize("tile,cluster", [((100, 100), (1, 1)), ((128, 128), (3, 1)),
+                                          ((512, 128), (1, 1))])
+def test_the_cpu_reference_rejects_what_no_gpu_kernel_runs(tile, cluster):
+    import numpy as np
+
+    import gwgrad
+
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    a = np.ones((16, 8), ml_dtypes.bfloat16)
+    b = np.ones((8, 24), ml_dtypes.bfloat16)
+    offsets = np.array([8], np.int32)
+    with pytest.raises(ValueError, match="^(mma_tiler_mn|cluster_shape_mn): expected"):
+        gwgrad.grouped_gemm_wgrad(a, b, offsets_tensor=offsets, mma_tiler_mn=tile,
+                                  cluster_shape_mn=cluster)
+    # A tiling some GPU kernel runs is fine on the CPU.
+    (w,) = gwgrad.grouped_gemm_wgrad(a, b, offsets_tensor=offsets, mma_tiler_mn=(128, 128),
+                                     cluster_shape_mn=(1, 1), wgrad_dtype="float32")
+    np.testing.assert_array_equal(w, np.full((1, 16, 24), 8.0, np.float32))

@@ -36,12 +36,13 @@ import numpy as np
 
 from gwgrad.dtypes import OUTPUT_DTYPES, DType, as_dtype
 from gwgrad.errors import ArgumentError
+from gwgrad import interop
 from gwgrad.interop import address_array, as_tensor_desc, stream_handle
 from gwgrad.interop import numpy as np_interop
 from gwgrad.plan import LaunchPlan, plan_for
 from gwgrad.tensors import TensorDesc, from_pointer
 
-from ._common import adapter_names, experts_hidden_intermediate
+from ._common import NAMES, adapter_names, experts_hidden_intermediate
 
 __all__ = ["wgrad", "to_bfloat16_bits", "from_bfloat16_bits"]
 
@@ -61,8 +62,6 @@ def _xp(arr: Any):
 
 def _interop():
     """gwgrad.interop.cupy (CuPy arrays), imported with CuPy; None without CuPy."""
-    from gwgrad import interop
-
     return interop.framework("cupy")
 
 
@@ -187,9 +186,11 @@ def wgrad(x: Any, dy: Any, offsets: Any, *, out: Union[Any, Sequence[Any], None]
         raise ArgumentError("out", "expected an initialized output to accumulate into "
                                    "(accumulate=True adds to it), got None")
     want = _output_dtype(out_dtype)
-    with adapter_names():
+    try:
         qx, qdy, qoff = (_quick(x, "a_tensor"), _quick(dy, "b_tensor"),
                          _quick(offsets, "offsets_tensor"))
+    except ArgumentError as exc:
+        raise exc.renamed(NAMES) from None
     device = qx[1][3:]
     launch_stream = _resolve_stream(stream, device)
 
@@ -203,8 +204,10 @@ def wgrad(x: Any, dy: Any, offsets: Any, *, out: Union[Any, Sequence[Any], None]
             shape = experts_hidden_intermediate(_shape(x), _shape(dy), _shape(offsets))
             result = _empty(x, shape, want or DType.BFLOAT16, device, launch_stream,
                             stream is not None)
-        with adapter_names():
+        try:
             target = _quick(result, "wgrad_tensor")
+        except ArgumentError as exc:
+            raise exc.renamed(NAMES) from None
         out_key = target[1]
     key = (qx[1], qdy[1], qoff[1], discrete, out_key, bits, want, accumulate)
     plan = _plans.get(key)
@@ -218,9 +221,11 @@ def wgrad(x: Any, dy: Any, offsets: Any, *, out: Union[Any, Sequence[Any], None]
         keep = cupy_interop.workspace(plan.workspace_bytes, device[1])
         workspace = keep.data.ptr
     # else: gwgrad's per-stream workspace (a given stream need not be CuPy's current one)
-    with adapter_names():
+    try:
         plan.launch(qx[0], qdy[0], qoff[0], target[0], stream=launch_stream,
                     workspace=workspace, validate_offsets=validate_offsets)
+    except ArgumentError as exc:  # misaligned storage, or offsets rejected by a check
+        raise exc.renamed(NAMES) from None
     return outs if discrete else result
 
 

@@ -41,7 +41,7 @@ from gwgrad.errors import ArgumentError
 from gwgrad.interop import torch as tinterop
 from gwgrad.plan import LaunchPlan, plan_for
 
-from ._common import adapter_names, experts_hidden_intermediate
+from ._common import NAMES, adapter_names, experts_hidden_intermediate
 
 __all__ = ["wgrad", "GroupedExpertLinear", "grouped_expert_linear", "grouped_mm_reference"]
 
@@ -82,9 +82,11 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
         stream = tinterop.current_stream(x.device.index)
         if plan.workspace_bytes:
             workspace = tinterop.workspace(x.device.index, stream, plan.workspace_bytes)
-    with adapter_names():  # misaligned storage, or offsets rejected by a check
+    try:
         plan.launch(x.data_ptr(), dy.data_ptr(), offsets.data_ptr(), target.data_ptr(),
                     stream=stream, workspace=workspace, validate_offsets=validate_offsets)
+    except ArgumentError as exc:  # misaligned storage, or offsets rejected by a check
+        raise exc.renamed(NAMES) from None
 
 
 def _plan(x, dy, offsets, out, outs, target, accumulate) -> LaunchPlan:
@@ -184,14 +186,15 @@ def _eager(*tensors: torch.Tensor) -> bool:
     return all(type(t) is torch.Tensor and not t.is_meta for t in tensors)
 
 
-def _check_arguments(x, dy, offsets, out, out_dtype) -> None:
-    """Types, the output dtype and devices, before anything reaches torch or the core."""
+def _check_arguments(x, dy, offsets, out) -> None:
+    """Before a call leaves the eager path for the op (tracing, a dispatch mode, a tensor
+    subclass, meta tensors): argument kinds and devices, so that nothing that is not a
+    torch tensor reaches torch, and a meta tensor among real ones does not reach the op's
+    fake kernel (which would return uninitialized memory, or not write ``out``). Plain
+    tensors on the eager path get the same device checks from their plan."""
     for name, t in (("x", x), ("dy", dy), ("offsets", offsets)):
         if not isinstance(t, torch.Tensor):
             raise ArgumentError(name, f"expected a torch.Tensor, got {type(t).__name__}")
-    if out_dtype is not None and out_dtype not in _OUT_DTYPES:
-        raise ArgumentError("out_dtype", f"expected None, torch.bfloat16, torch.float16 or "
-                                         f"torch.float32, got {out_dtype}")
     tensors = [("x", x), ("dy", dy), ("offsets", offsets)]
     if isinstance(out, torch.Tensor):
         tensors.append(("out", out))
@@ -224,39 +227,50 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, *,
     comes from ``gwgrad.check_errors()`` or the next call); validate_offsets: check them on
     the host first (one sync; eager only). Returns ``out`` (or the new tensor).
     """
-    if out is not None and not isinstance(out, torch.Tensor):
-        if not isinstance(out, (list, tuple)) or not out or \
-                not all(isinstance(o, torch.Tensor) for o in out):
-            raise ArgumentError("out", "expected None, a tensor or a non-empty list of tensors, "
-                                       f"got {type(out).__name__}")
-    _check_arguments(x, dy, offsets, out, out_dtype)
     if accumulate and out is None:
         raise ArgumentError("out", "expected an initialized output to accumulate into "
                                    "(accumulate=True adds to it), got None")
+    if out_dtype is not None and out_dtype not in _OUT_DTYPES:
+        raise ArgumentError("out_dtype", f"expected None, torch.bfloat16, torch.float16 or "
+                                         f"torch.float32, got {out_dtype}")
     if validate_offsets and torch.compiler.is_compiling():
         raise ArgumentError("validate_offsets", "expected False under torch.compile (the check "
                                                 "synchronizes with the host), got True")
     if out is None:
         dtype = torch.bfloat16 if out_dtype is None else out_dtype
-        if _eager(x, dy, offsets) or validate_offsets:
+        eager = _eager(x, dy, offsets)
+        if not eager:
+            _check_arguments(x, dy, offsets, None)
+        if eager or validate_offsets:
             result = _empty_output(x, dy, offsets, dtype)
             _launch(x, dy, offsets, result, None, False, validate_offsets)
             return result
         return torch.ops.gwgrad.grouped_gemm_wgrad.default(x, dy, offsets, dtype)
+    if not isinstance(out, torch.Tensor) and (
+            not isinstance(out, (list, tuple)) or not out
+            or not all(isinstance(o, torch.Tensor) for o in out)):
+        raise ArgumentError("out", "expected None, a tensor or a non-empty list of tensors, got "
+                                   f"{type(out).__name__}")
     if isinstance(out, torch.Tensor):
+        eager = _eager(x, dy, offsets, out)
+        if not eager:
+            _check_arguments(x, dy, offsets, out)
         if out_dtype is not None and out_dtype != out.dtype:
             raise ArgumentError("out_dtype", f"expected None or {out.dtype} (out's dtype), got "
                                              f"{out_dtype}")
-        if _eager(x, dy, offsets, out) or validate_offsets:
+        if eager or validate_offsets:
             _launch(x, dy, offsets, out, None, accumulate, validate_offsets)
         else:
             torch.ops.gwgrad.grouped_gemm_wgrad_into.default(x, dy, offsets, out, accumulate)
         return out
     outs = list(out)
+    eager = _eager(x, dy, offsets, *outs)
+    if not eager:
+        _check_arguments(x, dy, offsets, outs)
     if out_dtype is not None and out_dtype != outs[0].dtype:
         raise ArgumentError("out_dtype", f"expected None or {outs[0].dtype} (out's dtype), got "
                                          f"{out_dtype}")
-    if _eager(x, dy, offsets, *outs) or validate_offsets:
+    if eager or validate_offsets:
         _launch(x, dy, offsets, None, outs, accumulate, validate_offsets)
     else:
         torch.ops.gwgrad.grouped_gemm_wgrad_discrete.default(x, dy, offsets, outs, accumulate)

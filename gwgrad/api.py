@@ -47,22 +47,6 @@ _SAMPLE_NAMES = {"a_tensor": "sample_a", "b_tensor": "sample_b", "sfa_tensor": "
                  "global_scale_b": "sample_global_scale_b"}
 
 
-def _stream(current_stream: Any, a: TensorDesc) -> int:
-    return interop.resolve_stream(current_stream, a.framework, a.device_id) if a.is_cuda else 0
-
-
-def _output(plan: LaunchPlan, wgrad: Optional[TensorDesc], ptrs: Optional[TensorDesc],
-            stream: int) -> TensorDesc:
-    """What the launch's ``out`` address points to: the dense output, or the pointer array
-    (built from a stacked output when only that was given; hold it until the launch)."""
-    if not plan.discrete:
-        return wgrad
-    if ptrs is None:
-        ptrs = interop.pointer_array(wgrad, stream)
-    interop.keep_alive(ptrs, stream)  # the kernel reads it on the launch stream
-    return ptrs
-
-
 class GroupedGemmWgrad:
     """A grouped weight-gradient operator compiled for one static spec.
 
@@ -183,44 +167,86 @@ class GroupedGemmWgrad:
         """Enqueue one call on ``current_stream`` (None: the framework's current stream)."""
         if self._operator is None:
             raise RuntimeError(f"{type(self).__name__}: call compile() before execute()")
-        a = _describe(a_tensor, "a_tensor")
+        tensors = (a_tensor, b_tensor, offsets_tensor, wgrad_tensor, wgrad_ptrs, sfa_tensor,
+                   sfb_tensor, global_scale_a, global_scale_b)
+        quick = tuple(interop.quick(t, name) for t, name in zip(tensors, _NAMES))
+        key = tuple(q[1] for q in quick)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(tensors)
+            self._plans[key] = plan
+        stream = _stream(current_stream, plan)
+        out = _output(plan, quick, wgrad_tensor, stream)
+        validate = self.validate_offsets if validate_offsets is None else validate_offsets
+        plan.launch(quick[0][0], quick[1][0], quick[2][0], _out_address(plan, quick, out),
+                    stream=stream, workspace=_workspace(plan, stream), validate_offsets=validate,
+                    scales=_scales(plan, quick))
+
+    def _plan(self, tensors) -> LaunchPlan:
+        """The first call with a signature: checked against this operator's spec."""
+        a, b, offsets, wgrad, ptrs, sfa, sfb, gsa, gsb = (
+            _describe(t, name) for t, name in zip(tensors, _NAMES))
         if a is None:
             raise ArgumentError("a_tensor", "expected a tensor, got None")
-        b, offsets = _describe(b_tensor, "b_tensor"), _describe(offsets_tensor, "offsets_tensor")
-        wgrad, ptrs = _describe(wgrad_tensor, "wgrad_tensor"), _describe(wgrad_ptrs, "wgrad_ptrs")
-        scales = {name: _describe(value, name) for name, value in (
-            ("sfa", sfa_tensor), ("sfb", sfb_tensor), ("global_scale_a", global_scale_a),
-            ("global_scale_b", global_scale_b))}
         spec = self._operator.spec
-        stream = _stream(current_stream, a)
         if spec.output_mode == "discrete" and wgrad is not None:
             if ptrs is not None:
                 raise ArgumentError("wgrad_tensor", "expected None when wgrad_ptrs is given "
                                     "(discrete output goes through wgrad_ptrs), got a tensor")
             check_output_stack(wgrad, "wgrad_tensor", spec.num_experts, spec.hidden,
                                spec.intermediate)
-            ptrs = interop.pointer_array(wgrad, stream)  # a stack stands for its addresses
         if spec.output_mode == "dense" and wgrad is None:
             raise ArgumentError("wgrad_tensor", "expected the dense output tensor, got None")
-        plan = plans.plan_for_spec(self._operator, a, b, offsets,
-                                   None if spec.output_mode == "discrete" else wgrad, ptrs,
-                                   self._plans, **scales)
-        validate = self.validate_offsets if validate_offsets is None else validate_offsets
-        out = _output(plan, wgrad, ptrs, stream)
-        plan.launch(a.ptr, b.ptr, offsets.ptr, out.ptr, stream=stream,
-                    workspace=_workspace(plan, a, stream), validate_offsets=validate,
-                    scales=_addresses(scales.values()))
+        if spec.output_mode == "discrete" and ptrs is None:
+            if wgrad is None:
+                raise ArgumentError("wgrad_ptrs", "expected the per-expert output addresses (or "
+                                    "a stacked wgrad_tensor), got None")
+            # The addresses into the stack, built per call (interop.pointer_array): their layout.
+            ptrs = TensorDesc(0, (spec.num_experts,), (1,), DType.INT64, a.device_type,
+                              a.device_id)
+        return plans.plan_for_spec(
+            self._operator, a, b, offsets, None if spec.output_mode == "discrete" else wgrad,
+            ptrs, {}, sfa=sfa, sfb=sfb, global_scale_a=gsa, global_scale_b=gsb)
 
 
-def _addresses(scales) -> Tuple[int, ...]:
+#: The tensor arguments of a call, in the order of ``interop.quick`` tuples below.
+_NAMES = ("a_tensor", "b_tensor", "offsets_tensor", "wgrad_tensor", "wgrad_ptrs", "sfa_tensor",
+          "sfb_tensor", "global_scale_a", "global_scale_b")
+
+
+def _stream(current_stream: Any, plan: LaunchPlan) -> int:
+    if not plan.is_cuda:
+        return 0
+    return interop.resolve_stream(current_stream, plan.framework, plan.device_id)
+
+
+def _output(plan: LaunchPlan, quick: tuple, wgrad_tensor: Any, stream: int):
+    """The pointer array of a discrete call given a stacked output (None otherwise: the
+    ``out`` address is the call's own); hold it until the launch is enqueued."""
+    if not plan.discrete or quick[4][1] is not None:
+        return None
+    ptrs = interop.pointer_array(_describe(wgrad_tensor, "wgrad_tensor"), stream)
+    interop.keep_alive(ptrs, stream)  # the kernel reads it on the launch stream
+    return ptrs
+
+
+def _out_address(plan: LaunchPlan, quick: tuple, out) -> int:
+    """The launch's ``out``: a pointer array or output made for the call, else the given
+    pointer array (discrete) or dense output."""
+    if out is not None:
+        return out.ptr
+    return quick[4][0] if plan.discrete else quick[3][0]
+
+
+def _scales(plan: LaunchPlan, quick: tuple) -> Tuple[int, ...]:
     """Block-scaled inputs' addresses for ``LaunchPlan.launch`` (empty for BF16)."""
-    scales = tuple(scales)
-    return tuple(0 if d is None else d.ptr for d in scales) if any(scales) else ()
+    return tuple(q[0] for q in quick[5:]) if plan.spec.is_block_scaled else ()
 
 
-def _workspace(plan: LaunchPlan, like: TensorDesc, stream: int) -> int:
-    """Workspace from the operands' framework (torch's allocator; graph-capture safe)."""
-    if not plan.workspace_bytes or like.framework != "torch":
+def _workspace(plan: LaunchPlan, stream: int) -> int:
+    """Workspace from the operands' framework (torch's allocator; graph-capture safe); 0:
+    gwgrad's own per-stream workspace (LaunchPlan.launch)."""
+    if not plan.workspace_bytes or plan.framework != "torch":
         return 0
     return interop.framework("torch").workspace(plan.device_id, stream, plan.workspace_bytes)
 
@@ -260,32 +286,50 @@ def grouped_gemm_wgrad(
     ``validate_offsets=True`` also checks them on the host before launching (one copy and a
     synchronization: the error is then raised by this call). CPU arrays are always checked.
     """
-    a = _describe(a_tensor, "a_tensor")
-    if a is None:
-        raise ArgumentError("a_tensor", "expected a tensor, got None")
-    b, offsets = _describe(b_tensor, "b_tensor"), _describe(offsets_tensor, "offsets_tensor")
-    wgrad, ptrs = _describe(wgrad_tensor, "wgrad_tensor"), _describe(wgrad_ptrs, "wgrad_ptrs")
-    sfa, sfb = _describe(sfa_tensor, "sfa_tensor"), _describe(sfb_tensor, "sfb_tensor")
-    gsa, gsb = _describe(global_scale_a, "global_scale_a"), _describe(global_scale_b, "global_scale_b")
-    allocate = wgrad is None and ptrs is None
-    if allocate and accumulate_on_output:
+    if accumulate_on_output and wgrad_tensor is None and wgrad_ptrs is None:
         raise ArgumentError("wgrad_tensor", "expected an initialized output to accumulate into "
                             "(accumulate_on_output=True adds to it), got None")
-    plan = plans.plan_for(
-        a, b, offsets, wgrad=wgrad, wgrad_ptrs=ptrs, output_mode=output_mode, wgrad_dtype=wgrad_dtype,
-        accumulate_on_output=accumulate_on_output, input_order=input_order,
-        mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn, acc_dtype=acc_dtype,
-        sf_vec_size=sf_vec_size, sfa=sfa, sfb=sfb, global_scale_a=gsa, global_scale_b=gsb)
-    spec = plan.spec
-    stream = _stream(current_stream, a)
-    result = wgrad_tensor
-    if allocate:
-        result, wgrad = interop.allocate(
-            a, (spec.num_experts, spec.hidden, spec.intermediate), spec.wgrad_dtype, stream)
-    out = _output(plan, wgrad, ptrs, stream)
-    plan.launch(a.ptr, b.ptr, offsets.ptr, out.ptr, stream=stream,
-                workspace=_workspace(plan, a, stream), validate_offsets=validate_offsets,
-                scales=_addresses((sfa, sfb, gsa, gsb)))
+    tensors = (a_tensor, b_tensor, offsets_tensor, wgrad_tensor, wgrad_ptrs, sfa_tensor,
+               sfb_tensor, global_scale_a, global_scale_b)
+    quick = tuple(interop.quick(t, name) for t, name in zip(tensors, _NAMES))
+    key = (tuple(q[1] for q in quick), output_mode, wgrad_dtype, acc_dtype,
+           plans.hashable(mma_tiler_mn), plans.hashable(cluster_shape_mn), sf_vec_size,
+           accumulate_on_output, input_order)
+    try:
+        plan = plans.call_plans.get(key)
+    except TypeError:  # an unhashable argument: the full check names it
+        plan, key = None, None
+    if plan is None:
+        a, b, offsets, wgrad, ptrs, sfa, sfb, gsa, gsb = (
+            _describe(t, name) for t, name in zip(tensors, _NAMES))
+        if a is None:
+            raise ArgumentError("a_tensor", "expected a tensor, got None")
+        plan = plans.plan_for(
+            a, b, offsets, wgrad=wgrad, wgrad_ptrs=ptrs, output_mode=output_mode,
+            wgrad_dtype=wgrad_dtype, accumulate_on_output=accumulate_on_output,
+            input_order=input_order, mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn,
+            acc_dtype=acc_dtype, sf_vec_size=sf_vec_size, sfa=sfa, sfb=sfb, global_scale_a=gsa,
+            global_scale_b=gsb)
+        if key is not None:
+            plans.call_plans[key] = plan
+    stream = _stream(current_stream, plan)
+    result, out = wgrad_tensor, None
+    if quick[3][1] is None and quick[4][1] is None:  # no output given: allocate one
+        spec = plan.spec
+        result, desc = interop.allocate(plan.layout("a"), (spec.num_experts, spec.hidden,
+                                                           spec.intermediate),
+                                        spec.wgrad_dtype, stream)
+        if plan.discrete:
+            out = interop.pointer_array(desc, stream)
+            interop.keep_alive(out, stream)
+        else:
+            out = desc
+    else:
+        out = _output(plan, quick, wgrad_tensor, stream)
+    plan.launch(quick[0][0], quick[1][0], quick[2][0], _out_address(plan, quick, out),
+                stream=stream,
+                workspace=_workspace(plan, stream), validate_offsets=validate_offsets,
+                scales=_scales(plan, quick))
     return TupleDict(wgrad_tensor=result)
 
 

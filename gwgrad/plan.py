@@ -18,7 +18,6 @@ compiles through ``compile_spec``'s backend) and the benchmarks.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 from typing import Any, Dict, Optional, Tuple
 
@@ -36,6 +35,9 @@ __all__ = ["CompiledOperator", "LaunchPlan", "compile_spec", "plan_for", "plan_f
 _lock = threading.RLock()
 _compiled: Dict[StaticSpec, "CompiledOperator"] = {}
 _plans: Dict[tuple, "LaunchPlan"] = {}
+#: Plans of the public API's calls, keyed by the arguments' quick signatures
+#: (gwgrad.interop.quick) and the call's static arguments.
+call_plans: Dict[tuple, "LaunchPlan"] = {}
 _counters = {"constructed": 0, "compiled": 0, "plans": 0}
 
 
@@ -51,6 +53,7 @@ def clear_cache() -> None:
     with _lock:
         _compiled.clear()
         _plans.clear()
+        call_plans.clear()
 
 
 def count(event: str) -> None:
@@ -117,6 +120,7 @@ class LaunchPlan:
         self.out_name = "wgrad_ptrs" if self.discrete else "wgrad_tensor"
         self.is_cuda = a.is_cuda
         self.device_id = a.device_id
+        self.framework = a.framework  # whose stream and allocator the public API uses
         self.workspace_bytes = operator.workspace_bytes if a.is_cuda else 0
         self.tokens_sum = operand_dims(a, "a_tensor", "a", spec.a_major)[1]
         if self.discrete and wgrad_ptrs is None:  # the caller builds them per call
@@ -162,6 +166,11 @@ class LaunchPlan:
             return
         kernel(stream, a, b, offsets, out, workspace, self._status, self.tokens_sum, *scales)
 
+    def layout(self, operand: str) -> TensorDesc:
+        """The layout (descriptor without storage) the plan was built for: "a", "b",
+        "offsets", "wgrad" or "wgrad_ptrs"."""
+        return self._templates[("a", "b", "offsets", "wgrad", "wgrad_ptrs").index(operand)]
+
     def _descs(self, a: int, b: int, offsets: int, out: int,
                scales: Tuple[int, ...] = ()) -> LaunchArgs:
         ta, tb, toff, tw, tp = self._templates
@@ -202,7 +211,8 @@ def _signature(desc: Optional[TensorDesc]) -> Optional[tuple]:
     return (desc.shape, desc.strides, desc.dtype, desc.device_type, desc.device_id)
 
 
-def _hashable(value: Any) -> Any:
+def hashable(value: Any) -> Any:
+    """Lists (a tiling given as a list) as tuples, for cache keys."""
     if isinstance(value, list):
         return tuple(value)
     return value
@@ -221,13 +231,14 @@ def plan_for(a: TensorDesc, b: TensorDesc, offsets: TensorDesc, *,
     the caller allocates it before launching: pass a descriptor of the layout it will have).
 
     The first call with a signature runs the contract's full check (``build_spec``) and finds
-    or compiles the operator; later calls with the same signature cost a dict lookup.
+    or compiles the operator; later calls with the same signature cost a dict lookup. The
+    target architecture (the device's, or ``CUTE_DSL_ARCH``) is read when a plan is built.
     """
     key = (_signature(a), _signature(b), _signature(offsets), _signature(wgrad),
-           _signature(wgrad_ptrs), output_mode, _hashable(wgrad_dtype), accumulate_on_output,
-           input_order, _hashable(mma_tiler_mn), _hashable(cluster_shape_mn), acc_dtype,
+           _signature(wgrad_ptrs), output_mode, hashable(wgrad_dtype), accumulate_on_output,
+           input_order, hashable(mma_tiler_mn), hashable(cluster_shape_mn), acc_dtype,
            sf_vec_size, _signature(sfa), _signature(sfb), _signature(global_scale_a),
-           _signature(global_scale_b), os.environ.get("CUTE_DSL_ARCH"))
+           _signature(global_scale_b), a.framework)
     try:
         plan = _plans.get(key)
     except TypeError:  # an unhashable argument: the full check names it

@@ -73,7 +73,7 @@ for s in $steps; do
       # 8 rows x 2 distributions, ~9 methods each; rows not started after T-45 s are skipped
       # (and say so in the JSON, which is rewritten after every row).
       step bench 220 || continue
-      timeout "$T" "$PY" -m gwgrad bench --tiles "" --rounds 8 \
+      timeout "$T" "$PY" -m gwgrad bench --tiles "" --rounds ${GWGRAD_BENCH_ROUNDS:-20} \
         --sample-ms 12 --time-budget $((T > 90 ? T - 45 : T / 2)) --json "$OUT/bench.json" \
         --plot "$OUT/bench.png" > "$OUT/step.txt" 2>&1
       rc=$?; cat "$OUT/step.txt" >> "$LOG"

@@ -21,17 +21,70 @@ from ..tensors import TensorDesc, contiguous_strides, from_pointer
 from .buffer import DeviceBuffer, address_array, workspace
 from .dlpack import framework_of, from_dlpack
 
-__all__ = ["as_tensor_desc", "from_dlpack", "from_pointer", "framework", "stream_handle",
+__all__ = ["as_tensor_desc", "quick", "from_dlpack", "from_pointer", "framework", "stream_handle",
            "resolve_stream", "allocate", "pointer_array", "address_array", "keep_alive",
            "launch_workspace", "workspace", "DeviceBuffer"]
+
+
+_modules: dict = {}
 
 
 def framework(name: str):
     """gwgrad's interop module for framework ``name`` ("torch", "cupy", "numpy") if that
     framework is imported in this process, else None (it is never imported here)."""
-    if name not in sys.modules:
-        return None
-    return importlib.import_module(f"{__name__}.{name}")
+    module = _modules.get(name)
+    if module is None:
+        if name not in sys.modules:
+            return None
+        module = _modules[name] = importlib.import_module(f"{__name__}.{name}")
+    return module
+
+
+# --- quick signatures: the per-call path of a cached plan -----------------------------------
+
+def _quick_torch(t):
+    return t.data_ptr(), (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _quick_numpy(a):
+    return a.__array_interface__["data"][0], (a.shape, a.strides, a.dtype, "cpu")
+
+
+def _quick_desc(d: TensorDesc):
+    return d.ptr, (d.shape, d.strides, d.dtype, d.device_type, d.device_id)
+
+
+_QUICK: dict = {TensorDesc: _quick_desc}
+
+
+def _quick_reader(kind: type):
+    torch = sys.modules.get("torch")
+    if torch is not None and issubclass(kind, torch.Tensor):
+        return _quick_torch
+    np = sys.modules.get("numpy")
+    if np is not None and kind is np.ndarray:
+        return _quick_numpy
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and kind is cupy.ndarray:
+        return framework("cupy").signature
+    return None
+
+
+def quick(obj: Any, name: str) -> Tuple[int, Any]:
+    """``(address, key)`` of an array argument, cheaply: ``key`` determines everything the
+    contract's check reads from it (shape, strides, dtype, device) but not its address, so a
+    cache keyed by it needs no validation on a hit. torch tensors, NumPy / CuPy arrays and
+    TensorDescs are read from their attributes; other arrays are described (DLPack) each
+    call. None gives ``(0, None)``."""
+    if obj is None:
+        return 0, None
+    kind = type(obj)
+    reader = _QUICK.get(kind, False)
+    if reader is False:
+        reader = _QUICK[kind] = _quick_reader(kind)
+    if reader is not None:
+        return reader(obj)
+    return _quick_desc(as_tensor_desc(obj, name))
 
 
 def as_tensor_desc(obj: Any, name: str) -> Optional[TensorDesc]:

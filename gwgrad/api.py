@@ -169,7 +169,7 @@ class GroupedGemmWgrad:
             raise RuntimeError(f"{type(self).__name__}: call compile() before execute()")
         tensors = (a_tensor, b_tensor, offsets_tensor, wgrad_tensor, wgrad_ptrs, sfa_tensor,
                    sfb_tensor, global_scale_a, global_scale_b)
-        quick = tuple(interop.quick(t, name) for t, name in zip(tensors, _NAMES))
+        quick = _quick(tensors)
         key = tuple(q[1] for q in quick)
         plan = self._plans.get(key)
         if plan is None:
@@ -214,9 +214,24 @@ _NAMES = ("a_tensor", "b_tensor", "offsets_tensor", "wgrad_tensor", "wgrad_ptrs"
           "sfb_tensor", "global_scale_a", "global_scale_b")
 
 
+_ABSENT = (0, None)
+_NO_SCALES = (_ABSENT,) * 4
+
+
+def _quick(tensors: tuple) -> tuple:
+    """``interop.quick`` of each tensor argument (the four scale arguments are usually None)."""
+    q = interop.quick
+    head = tuple(q(t, name) for t, name in zip(tensors[:5], _NAMES))
+    if tensors[5] is None and tensors[6] is None and tensors[7] is None and tensors[8] is None:
+        return head + _NO_SCALES
+    return head + tuple(q(t, name) for t, name in zip(tensors[5:], _NAMES[5:]))
+
+
 def _stream(current_stream: Any, plan: LaunchPlan) -> int:
     if not plan.is_cuda:
         return 0
+    if current_stream is None and plan.framework_stream is not None:
+        return plan.framework_stream()
     return interop.resolve_stream(current_stream, plan.framework, plan.device_id)
 
 
@@ -291,7 +306,7 @@ def grouped_gemm_wgrad(
                             "(accumulate_on_output=True adds to it), got None")
     tensors = (a_tensor, b_tensor, offsets_tensor, wgrad_tensor, wgrad_ptrs, sfa_tensor,
                sfb_tensor, global_scale_a, global_scale_b)
-    quick = tuple(interop.quick(t, name) for t, name in zip(tensors, _NAMES))
+    quick = _quick(tensors)
     key = (tuple(q[1] for q in quick), output_mode, wgrad_dtype, acc_dtype,
            plans.hashable(mma_tiler_mn), plans.hashable(cluster_shape_mn), sf_vec_size,
            accumulate_on_output, input_order)

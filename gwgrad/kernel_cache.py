@@ -562,6 +562,36 @@ class KernelFunction:
             with _cuda.on_device(device):
                 self._call(stream, values)
 
+    def bound(self, device: int, *tail: int) -> Callable[..., None]:
+        """``launch`` on ``device`` as one function of ``(stream, *values)``, ``tail``
+        appended to the values: the per-call path of gwgrad.plan (one Python frame between
+        the caller and the host function when one GPU is visible)."""
+        self.load(device)
+        binary, call = self._binary, self._call
+        if not binary.single_device:
+            def launch_elsewhere(stream: int, *values: int) -> None:
+                self.launch(device, stream, *values, *tail)
+            return launch_elsewhere
+        n, slots, stream_slot, error = self._n_values, self._values, self._stream, self._error
+        entry, args, n_args, lock = self._entry, self._args_address, self._n_args, self._lock
+        if len(tail) + 1 > n:
+            raise TypeError(f"{self.name}: {len(tail)} bound values leave no room for the "
+                            f"call's own ({self.signature})")
+
+        def launch_here(stream: int, *values: int) -> None:
+            values += tail
+            if len(values) != n:
+                call(stream, values)  # raises the TypeError naming the signature
+            with lock:
+                slots[:n] = values
+                stream_slot.value = stream
+                error.value = 0
+                entry(args, n_args)
+                code = error.value
+            if code:
+                raise _cuda_error(f"launching kernel {self.name}", code)
+        return launch_here
+
     def _call(self, stream: int, values: Tuple[int, ...]) -> None:
         if len(values) != self._n_values:
             raise TypeError(f"{self.name}: expected {self._n_values} argument values "

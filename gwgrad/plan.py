@@ -18,6 +18,7 @@ compiles through ``compile_spec``'s backend) and the benchmarks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from typing import Any, Dict, Optional, Tuple
 
@@ -121,6 +122,13 @@ class LaunchPlan:
         self.is_cuda = a.is_cuda
         self.device_id = a.device_id
         self.framework = a.framework  # whose stream and allocator the public API uses
+        # That framework's current stream on this device, as a function (None: stream 0 or
+        # an explicit stream); bound once, here.
+        self.framework_stream = None
+        module = interop.framework(a.framework) if a.is_cuda and a.framework in (
+            "torch", "cupy") else None
+        if module is not None:
+            self.framework_stream = functools.partial(module.current_stream, a.device_id)
         self.workspace_bytes = operator.workspace_bytes if a.is_cuda else 0
         self.tokens_sum = operand_dims(a, "a_tensor", "a", spec.a_major)[1]
         if self.discrete and wgrad_ptrs is None:  # the caller builds them per call
@@ -138,6 +146,7 @@ class LaunchPlan:
             self._kernel = operator.backend.launcher(operator.handle, spec, self.device_id)
             if self._kernel is not None:
                 self._status = status.status_address(self.device_id)
+        self._pending = status.pending_view()  # field [0] of the status record
         count("plans")
 
     def launch(self, a: int, b: int, offsets: int, out: int, *, stream: int = 0,
@@ -155,7 +164,8 @@ class LaunchPlan:
         if not self.is_cuda:  # the reference: synchronous, checks the offsets itself
             self._launch_args(a, b, offsets, out, scales, 0, 0)
             return
-        status.raise_pending()
+        if self._pending.value:  # an earlier launch found invalid offsets
+            status.raise_pending()
         if validate_offsets:
             self._check_on_host(offsets, out, stream)
         if self.workspace_bytes and not workspace:

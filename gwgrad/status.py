@@ -59,6 +59,13 @@ def status_address(device_id: Optional[int] = None) -> int:
     return _address
 
 
+def pending_view() -> ctypes.c_int32:
+    """A view of field [0] (non-zero: an error is recorded) for a quick per-launch check: of
+    the device record once it exists, else of the host record (a plan built without CUDA)."""
+    return _code if _code is not None else ctypes.c_int32.from_address(
+        ctypes.addressof(_host_record))
+
+
 def _fields() -> ctypes.Array:
     if _address:
         return (ctypes.c_int32 * RECORD_INT32).from_address(_address)

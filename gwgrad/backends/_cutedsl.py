@@ -106,13 +106,8 @@ class CompiledGemm:
 
     def launcher(self, device: int) -> Callable[..., None]:
         """``launch`` bound to ``device``, grid size computed once: a function ``(stream, a,
-        b, offsets, out, workspace, status, tokens_sum)``."""
-        grid, launch = grid_size(self, device), self.kernel.launch
-
-        def run(stream, a, b, offsets, out, workspace, status, tokens_sum):
-            launch(device, stream, a, b, offsets, out, workspace, status, tokens_sum, grid)
-
-        return run
+        b, offsets, out, workspace, status, tokens_sum)``; loads the kernel onto ``device``."""
+        return self.kernel.bound(device, grid_size(self, device))
 
 
 def grid_size(cfg: Any, device_id: int) -> int:

@@ -46,6 +46,7 @@ def seed(request) -> int:
     ``rng`` is made from it."""
     value = int(os.environ.get("GWGRAD_TEST_SEED") or secrets.randbits(32))
     request.node.gwgrad_seed = value
+    os.environ["GWGRAD_CHILD_SEED"] = str(value)  # what a test's subprocess seeds itself with
     random.seed(value)
     import numpy as np
 

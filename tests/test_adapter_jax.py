@@ -130,7 +130,7 @@ LOWER_FOR_CUDA = """
 import json, sys
 import numpy as np, jax, jax.numpy as jnp
 import gwgrad.adapters.jax as gwj
-rng = np.random.default_rng()
+rng = np.random.default_rng(int(__import__("os").environ["GWGRAD_CHILD_SEED"]))
 offsets = jnp.asarray(np.cumsum([256, 0, 512, 256]).astype(np.int32))
 x = jnp.asarray(rng.standard_normal((1024, 256)), jnp.bfloat16)
 dy = jnp.asarray(rng.standard_normal((1024, 256)), jnp.bfloat16)
@@ -200,7 +200,7 @@ def test_shard_map_over_two_cpu_devices():
         from jax.sharding import NamedSharding, PartitionSpec as P
         import gwgrad.adapters.jax as gwj
         mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices("cpu")[:2])
-        rng = np.random.default_rng()
+        rng = np.random.default_rng(int(__import__("os").environ["GWGRAD_CHILD_SEED"]))
         tokens, hidden, inter, experts = 64, 16, 24, 3  # per device
         x = rng.standard_normal((2 * tokens, hidden)).astype(np.float32)
         dy = rng.standard_normal((2 * tokens, inter)).astype(np.float32)

@@ -123,7 +123,7 @@ def test_with_cuda_graphs_enabled(tmp_path):
     _run("""
         import numpy as np, jax, jax.numpy as jnp
         import gwgrad.adapters.jax as gwj
-        rng = np.random.default_rng()
+        rng = np.random.default_rng(int(__import__("os").environ["GWGRAD_CHILD_SEED"]))
         x = jnp.asarray(rng.standard_normal((2048, 256)), jnp.bfloat16)
         dy = jnp.asarray(rng.standard_normal((2048, 384)), jnp.bfloat16)
         xf = np.asarray(x.astype(jnp.float32), np.float64)
@@ -151,7 +151,7 @@ def test_shard_map_over_two_gpus():
         from jax.sharding import NamedSharding, PartitionSpec as P
         import gwgrad.adapters.jax as gwj
         mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices("gpu")[:2])
-        rng = np.random.default_rng()
+        rng = np.random.default_rng(int(__import__("os").environ["GWGRAD_CHILD_SEED"]))
         tokens, hidden, inter, experts = 1024, 256, 384, 3  # per device: its local experts
         xb = jnp.asarray(rng.standard_normal((2 * tokens, hidden)), jnp.bfloat16)
         dyb = jnp.asarray(rng.standard_normal((2 * tokens, inter)), jnp.bfloat16)

@@ -15,7 +15,7 @@ from gwgrad.interop import resolve_stream, stream_handle
 
 
 def test_numpy_contiguous_and_strided():
-    x = np.random.default_rng().standard_normal((6, 8)).astype(np.float32)
+    x = np.random.default_rng(np.random.randint(1 << 31)).standard_normal((6, 8)).astype(np.float32)
     d = as_tensor_desc(x, "x")
     assert (d.ptr, d.shape, d.strides, d.dtype) == (x.ctypes.data, (6, 8), (8, 1), DType.FLOAT32)
     assert (d.device_type, d.framework, d.owner is x, d.read_only) == ("cpu", "numpy", True, False)
@@ -128,7 +128,7 @@ def test_jax_cpu_arrays():
 def test_jax_end_to_end_on_cpu():
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
-    key = jax.random.PRNGKey(np.random.default_rng().integers(1 << 30))
+    key = jax.random.PRNGKey(np.random.default_rng(np.random.randint(1 << 31)).integers(1 << 30))
     kx, kd = jax.random.split(key)
     x = jax.random.normal(kx, (40, 16), jnp.bfloat16)
     dy = jax.random.normal(kd, (40, 24), jnp.bfloat16)
@@ -158,7 +158,7 @@ class _HostArray:
 
 @pytest.mark.parametrize("versioned", [False, True])
 def test_dlpack_export_consumed_by_numpy_torch_and_gwgrad(versioned):
-    a = np.random.default_rng().standard_normal((3, 4)).astype(np.float32)
+    a = np.random.default_rng(np.random.randint(1 << 31)).standard_normal((3, 4)).astype(np.float32)
     before = len(_exports)
     np_view = np.from_dlpack(_HostArray(a, versioned))
     assert np.shares_memory(np_view, a) and np.array_equal(np_view, a)
@@ -174,7 +174,7 @@ def test_dlpack_export_consumed_by_numpy_torch_and_gwgrad(versioned):
 
 def test_dlpack_export_bf16_to_torch():
     torch = _torch()
-    bits = np.random.default_rng().standard_normal(8).astype(ml_dtypes.bfloat16)
+    bits = np.random.default_rng(np.random.randint(1 << 31)).standard_normal(8).astype(ml_dtypes.bfloat16)
     t = torch.from_dlpack(_HostArray(bits, True))
     assert t.dtype == torch.bfloat16
     assert np.array_equal(t.float().numpy(), bits.astype(np.float32))

@@ -57,10 +57,6 @@ __all__ = ["wgrad", "reference_wgrad", "grouped_linear", "grouped_mm"]
 
 _wgrad_p = Primitive("gwgrad_grouped_gemm_wgrad")
 
-#: SM counts assumed when lowering for an architecture without its GPU present (the grid size
-#: is compiled in; any value is correct, the device's own count is the fastest).
-_SM_COUNT_WITHOUT_GPU = {"sm_90a": 132, "sm_100a": 148, "sm_103a": 148}
-
 
 # --- the contract's check, on shapes and dtypes ---------------------------------------------
 
@@ -165,15 +161,6 @@ def _cpu_lowering(ctx, x, dy, offsets, *out, out_dtype, accumulate):
         ctx, x, dy, offsets, *out)
 
 
-def _grid_size(cfg, arch: str) -> int:
-    from gwgrad.backends import _cutedsl
-
-    try:
-        return _cutedsl.grid_size(cfg, 0)
-    except RuntimeError:  # lowering without a GPU (CUTE_DSL_ARCH set)
-        return min(cfg.num_units, _SM_COUNT_WITHOUT_GPU.get(arch, 132))
-
-
 @functools.lru_cache(maxsize=None)
 def _cutlass_call(shapes: Tuple, dtypes: Tuple, out_dtype, accumulate: bool, arch: str):
     """The cutlass_call for one static signature (built once per process)."""
@@ -209,7 +196,7 @@ def _cutlass_call(shapes: Tuple, dtypes: Tuple, out_dtype, accumulate: bool, arc
         # the key by cutlass_call itself.
         compile_key=("gwgrad", type(kernel).__module__, type(kernel).__qualname__, spec),
         tokens_sum=int(x_shape[0]),
-        grid_size=_grid_size(kernel.cfg, spec.arch),
+        grid_size=backend.grid_size(kernel, spec),
         status_address=_status_address(),
     )
 

@@ -152,10 +152,11 @@ class LaunchPlan:
     def launch(self, a: int, b: int, offsets: int, out: int, *, stream: int = 0,
                workspace: int = 0, validate_offsets: bool = False,
                scales: Tuple[int, ...] = ()) -> None:
-        """Enqueue one call on ``stream``. ``scales``: block-scaled inputs' addresses of
-        ``(sfa, sfb, global_scale_a, global_scale_b)`` (0 for an absent global scale). ``workspace``: ``workspace_bytes`` of device memory
+        """Enqueue one call on ``stream``. ``workspace``: ``workspace_bytes`` of device memory
         untouched by other work until the launch completes on ``stream`` (0: gwgrad's
-        per-stream workspace, which CUDA-graph capture cannot allocate). The offsets are
+        per-stream workspace, which CUDA-graph capture cannot allocate). ``scales``:
+        block-scaled inputs' addresses of ``(sfa, sfb, global_scale_a, global_scale_b)`` (0
+        for an absent global scale; empty for BF16). The offsets are
         always checked on the device (a failed check writes nothing and is raised later: see
         gwgrad.status); ``validate_offsets=True`` also checks them on the host first (one
         copy and a synchronization; skipped during CUDA-graph capture)."""

@@ -222,3 +222,15 @@ class CuteDslBackend(Backend):
 
     def launcher(self, compiled: CompiledGemm, spec: StaticSpec, device_id: int):
         return compiled.launcher(device_id)
+
+    #: SM counts assumed for a grid compiled in without the GPU present (the JAX custom call
+    #: bakes the grid size in; any value is correct, the device's own count the fastest).
+    SM_COUNT_WITHOUT_GPU = {"sm_90a": 132, "sm_100a": 148, "sm_103a": 148}
+
+    def grid_size(self, kernel: Any, spec: StaticSpec, device_id: int = 0) -> int:
+        """The persistent grid of ``kernel`` (a ``make_kernel`` result) on ``device_id``, or
+        for ``spec.arch``'s usual SM count when no GPU is present."""
+        try:
+            return grid_size(kernel.cfg, device_id)
+        except RuntimeError:  # lowering without a GPU (CUTE_DSL_ARCH set)
+            return min(kernel.cfg.num_units, self.SM_COUNT_WITHOUT_GPU.get(spec.arch, 132))

@@ -36,3 +36,36 @@ def compile_ptx(s: StaticSpec) -> str:
 
 def replace(s, **kw):
     return dataclasses.replace(s, **kw)
+
+
+def kernel_bodies(ptx: str):
+    """(prep kernel body, GEMM kernel body) of a compiled launch."""
+    bodies = {}
+    for chunk in ptx.split(".entry ")[1:]:
+        name = chunk.split("(", 1)[0]
+        bodies["prep" if "prep_kernel" in name else "gemm"] = chunk
+    assert set(bodies) == {"prep", "gemm"}, sorted(bodies)
+    return bodies["prep"], bodies["gemm"]
+
+
+def check_offsets_check_ptx(ptx: str, before_verdict=()) -> None:
+    """Prep: the verdict (workspace byte 4) is stored, the status record is claimed with a
+    system-scope compare-and-swap and published behind system-scope fences. GEMM: its first
+    global load is the verdict, none of ``before_verdict`` comes before it, and a branch on it
+    skips the whole kernel."""
+    import re
+
+    prep, gemm = kernel_bodies(ptx)
+    assert re.search(r"st\.global\.b32\s+\[%rd\d+\+4\]", prep)  # the verdict
+    assert re.search(r"atom\.global\.sys\.cas\.b32", prep)  # sticky claim of the record
+    assert re.search(r"fence\.(acq_rel|sc)\.sys|membar\.sys", prep)  # host-visible fields
+    assert "atom.global.sys.cas" not in gemm
+    loads = re.findall(r"ld\.global[\w.]*\s+[^;]+;", gemm)
+    assert loads and re.search(r"\[%rd\d+\+4\]", loads[0]), loads[:1]
+    before, after = gemm.split(loads[0], 1)
+    for op in before_verdict:
+        assert op not in before, op
+    # verdict == 0: a jump straight to the kernel's exit.
+    branch = re.match(r"\s*setp\.eq\.b32\s+(%p\d+), %r\d+, 0;\s*@\1 bra\s+(\$\w+);", after)
+    assert branch, after[:200]
+    assert re.search(re.escape(branch.group(2)) + r":\s*ret;", gemm)

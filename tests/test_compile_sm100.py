@@ -8,13 +8,12 @@ read before any cluster barrier, TMEM allocation or CLC query."""
 from __future__ import annotations
 
 import itertools
-import re
 
 import pytest
 
 pytest.importorskip("cutlass")
 
-from kernel_compile import compile_ptx, spec  # noqa: E402
+from kernel_compile import check_offsets_check_ptx, compile_ptx, spec  # noqa: E402
 
 MAJORS = [("m", "n"), ("k", "n"), ("m", "k"), ("k", "k")]
 MODES = list(itertools.product(MAJORS, ["tensor2d", "tensor_ragged"], ["dense", "discrete"],
@@ -23,39 +22,8 @@ TILINGS = ([((128, n), (c, 1)) for n in range(64, 257, 32) for c in (1, 2, 4)]
            + [((256, n), (c, 1)) for n in range(64, 257, 32) for c in (2, 4)])
 
 
-def kernel_bodies(ptx: str):
-    """(prep kernel body, GEMM kernel body) of a compiled launch."""
-    bodies = {}
-    for chunk in ptx.split(".entry ")[1:]:
-        name = chunk.split("(", 1)[0]
-        bodies["prep" if "prep_kernel" in name else "gemm"] = chunk
-    assert set(bodies) == {"prep", "gemm"}, sorted(bodies)
-    return bodies["prep"], bodies["gemm"]
-
-
-def check_offsets_check_ptx(ptx: str) -> None:
-    """Prep: the verdict (workspace byte 4) is stored, the status record is claimed with a
-    system-scope compare-and-swap and published behind system-scope fences. GEMM: its first
-    global load is the verdict, and a branch on it skips everything that follows, barriers,
-    TMEM allocation and CLC queries included."""
-    prep, gemm = kernel_bodies(ptx)
-    assert re.search(r"st\.global\.b32\s+\[%rd\d+\+4\]", prep)  # the verdict
-    assert re.search(r"atom\.global\.sys\.cas\.b32", prep)  # sticky claim of the record
-    assert re.search(r"fence\.(acq_rel|sc)\.sys|membar\.sys", prep)  # host-visible fields
-    assert "atom.global.sys.cas" not in gemm
-    loads = re.findall(r"ld\.global[\w.]*\s+[^;]+;", gemm)
-    assert loads and re.search(r"\[%rd\d+\+4\]", loads[0]), loads[:1]
-    before, after = gemm.split(loads[0], 1)
-    for op in ("barrier.cluster", "mbarrier.init", "tcgen05.alloc", "clusterlaunchcontrol"):
-        assert op not in before, op
-    # verdict == 0: a jump straight to the kernel's exit.
-    branch = re.match(r"\s*setp\.eq\.b32\s+(%p\d+), %r\d+, 0;\s*@\1 bra\s+(\$\w+);", after)
-    assert branch, after[:200]
-    assert re.search(re.escape(branch.group(2)) + r":\s*ret;", gemm)
-
-
 def check_blackwell_ptx(ptx: str, accumulate: bool, two_cta: bool) -> None:
-    check_offsets_check_ptx(ptx)
+    check_offsets_check_ptx(ptx, before_verdict=("barrier.cluster", "mbarrier.init", "tcgen05.alloc", "clusterlaunchcontrol"))
     assert "tcgen05.mma" in ptx
     assert "tcgen05.alloc" in ptx and "tcgen05.dealloc" in ptx
     assert "tcgen05.ld" in ptx  # TMEM -> registers in the epilogue

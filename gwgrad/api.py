@@ -170,7 +170,7 @@ class GroupedGemmWgrad:
         tensors = (a_tensor, b_tensor, offsets_tensor, wgrad_tensor, wgrad_ptrs, sfa_tensor,
                    sfb_tensor, global_scale_a, global_scale_b)
         quick = _quick(tensors)
-        key = tuple(q[1] for q in quick)
+        key = _signature(quick)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(tensors)
@@ -219,12 +219,22 @@ _NO_SCALES = (_ABSENT,) * 4
 
 
 def _quick(tensors: tuple) -> tuple:
-    """``interop.quick`` of each tensor argument (the four scale arguments are usually None)."""
+    """``interop.quick`` of each tensor argument (the four scale arguments are usually None).
+    Written out: this runs on every call, where a generator costs microseconds."""
     q = interop.quick
-    head = tuple(q(t, name) for t, name in zip(tensors[:5], _NAMES))
-    if tensors[5] is None and tensors[6] is None and tensors[7] is None and tensors[8] is None:
+    a, b, offsets, wgrad, ptrs, sfa, sfb, gsa, gsb = tensors
+    head = (q(a, "a_tensor"), q(b, "b_tensor"), q(offsets, "offsets_tensor"),
+            q(wgrad, "wgrad_tensor"), _ABSENT if ptrs is None else q(ptrs, "wgrad_ptrs"))
+    if sfa is None and sfb is None and gsa is None and gsb is None:
         return head + _NO_SCALES
-    return head + tuple(q(t, name) for t, name in zip(tensors[5:], _NAMES[5:]))
+    return head + (q(sfa, "sfa_tensor"), q(sfb, "sfb_tensor"), q(gsa, "global_scale_a"),
+                   q(gsb, "global_scale_b"))
+
+
+def _signature(quick: tuple) -> tuple:
+    """The arguments' part of a plan key."""
+    return (quick[0][1], quick[1][1], quick[2][1], quick[3][1], quick[4][1], quick[5][1],
+            quick[6][1], quick[7][1], quick[8][1])
 
 
 def _stream(current_stream: Any, plan: LaunchPlan) -> int:
@@ -307,7 +317,7 @@ def grouped_gemm_wgrad(
     tensors = (a_tensor, b_tensor, offsets_tensor, wgrad_tensor, wgrad_ptrs, sfa_tensor,
                sfb_tensor, global_scale_a, global_scale_b)
     quick = _quick(tensors)
-    key = (tuple(q[1] for q in quick), output_mode, wgrad_dtype, acc_dtype,
+    key = (_signature(quick), output_mode, wgrad_dtype, acc_dtype,
            plans.hashable(mma_tiler_mn), plans.hashable(cluster_shape_mn), sf_vec_size,
            accumulate_on_output, input_order)
     try:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gwgrad
-from gwgrad import DType, LaunchArgs, from_pointer
+from gwgrad import DType, from_pointer
 from gwgrad import backends as backends_mod
 from gwgrad.api import TupleDict
 from wgrad_cases import bf16, bf16_problem, layout_a, layout_b, poisoned, random_output

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from .. import kernel_cache, status as _status
 from ..dsl import shielded_argv
 from ..dtypes import DType
-from ..errors import fail
+from ..errors import ArgumentError, fail
 from ..offsets import token_count_multiple
 from ..spec import StaticSpec
 from .base import Backend, LaunchArgs
@@ -196,6 +196,31 @@ class CuteDslBackend(Backend):
 
     def make_kernel(self, spec: StaticSpec):  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def config(self, spec: StaticSpec):  # pragma: no cover - abstract
+        """The kernel-side ProblemConfig of ``spec``."""
+        raise NotImplementedError
+
+    def tiling_problem(self, spec: StaticSpec) -> Optional[Tuple[str, str]]:
+        """(argument, detail) when the arch's kernel cannot run this tiling (DSL-free)."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def kernel_problem(self, spec: StaticSpec) -> Optional[Tuple[str, str]]:
+        """The kernel's own predicate (``can_implement``; imports the kernel module)."""
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def check_support(self, spec: StaticSpec) -> None:
+        """What every CuTe DSL kernel needs, its tiling rules, then its own predicate, which
+        a kernel found in gwgrad.kernel_cache has passed already (no DSL import then)."""
+        check_bf16_spec(spec)
+        problem = self.tiling_problem(spec)
+        if problem is None and not self.compiled_before(spec):
+            problem = self.kernel_problem(spec)
+        if problem is not None:
+            raise ArgumentError(*problem)
+
+    def workspace_bytes(self, spec: StaticSpec) -> int:
+        return self.config(spec).workspace_bytes
 
     def compile_options(self, spec: StaticSpec) -> str:
         """The DSL options the kernel of ``spec`` is compiled with (the JAX adapter's too)."""

@@ -3,7 +3,6 @@ kernels/sm100_bf16.py (dynamic persistent scheduling through cluster launch cont
 
 from __future__ import annotations
 
-from ..errors import ArgumentError
 from ..kernels.tiling import sm100_cta_tile_m, sm100_problem
 from ..spec import StaticSpec
 from . import _cutedsl
@@ -23,25 +22,17 @@ class Bf16Sm100Backend(_cutedsl.CuteDslBackend):
         # The epilogue sub-tile comes from the DSL's SM100 helper (epi_tile_n stays 0).
         return 16, 0
 
-    def check_support(self, spec: StaticSpec) -> None:
-        _cutedsl.check_bf16_spec(spec)
-        problem = sm100_problem(spec.mma_tiler_mn, spec.cluster_shape_mn)
-        if problem is not None:
-            raise ArgumentError(*problem)
-        if self.compiled_before(spec):  # a cached kernel: no need to import the DSL to know
-            return
+    def tiling_problem(self, spec: StaticSpec):
+        return sm100_problem(spec.mma_tiler_mn, spec.cluster_shape_mn)
+
+    def kernel_problem(self, spec: StaticSpec):
         from ..kernels.sm100_bf16 import Sm100GroupedWgrad
 
-        reason = Sm100GroupedWgrad.can_implement(self.config(spec), tuple(spec.mma_tiler_mn))
-        if reason is not None:
-            raise ArgumentError(*reason)
+        return Sm100GroupedWgrad.can_implement(self.config(spec), tuple(spec.mma_tiler_mn))
 
     def config(self, spec: StaticSpec):
         unit_m = sm100_cta_tile_m(spec.mma_tiler_mn) * spec.cluster_shape_mn[0]
         return _cutedsl.problem_config(spec, "sm100", unit_tile_m=unit_m)
-
-    def workspace_bytes(self, spec: StaticSpec) -> int:
-        return self.config(spec).workspace_bytes
 
     def make_kernel(self, spec: StaticSpec):
         """The kernel object (its `call_tensors` entry serves cutlass.jax.cutlass_call)."""

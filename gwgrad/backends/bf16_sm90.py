@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ..errors import ArgumentError
 from ..kernels.tiling import sm90_problem, sm90_schedule
 from ..spec import StaticSpec
 from . import _cutedsl
@@ -31,25 +30,17 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         # so that the staging buffers leave four A/B stages.
         return 16, (64 if spec.wgrad_dtype.itemsize == 2 else 32)
 
-    def check_support(self, spec: StaticSpec) -> None:
-        _cutedsl.check_bf16_spec(spec)
-        problem = sm90_problem(spec.mma_tiler_mn, spec.cluster_shape_mn)
-        if problem is not None:
-            raise ArgumentError(*problem)
-        if self.compiled_before(spec):  # a cached kernel: no need to import the DSL to know
-            return
+    def tiling_problem(self, spec: StaticSpec):
+        return sm90_problem(spec.mma_tiler_mn, spec.cluster_shape_mn)
+
+    def kernel_problem(self, spec: StaticSpec):
         from ..kernels.sm90_bf16 import Sm90GroupedWgrad
 
-        # The kernel's own predicate: registers, shared-memory stages, epilogue width.
-        reason = Sm90GroupedWgrad.can_implement(self.config(spec))
-        if reason is not None:
-            raise ArgumentError(*reason)
+        # Registers, shared-memory stages, epilogue width.
+        return Sm90GroupedWgrad.can_implement(self.config(spec))
 
     def config(self, spec: StaticSpec):
         return _cutedsl.problem_config(spec, sm90_schedule(spec.mma_tiler_mn))
-
-    def workspace_bytes(self, spec: StaticSpec) -> int:
-        return self.config(spec).workspace_bytes
 
     def make_kernel(self, spec: StaticSpec):
         """The kernel object (its `call_tensors` entry serves cutlass.jax.cutlass_call)."""

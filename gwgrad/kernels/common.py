@@ -55,14 +55,12 @@ store instead of faulting.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass.cute.nvgpu import cpasync
-from cutlass._mlir import ir
 from cutlass._mlir.dialects import cute as _cute_ir
 from cutlass._mlir.dialects import cute_nvgpu as _cute_nvgpu_ir
 from cutlass._mlir.dialects import llvm
@@ -544,6 +542,20 @@ class GroupedWgradKernel(GemmEntryPoints):
         if self.cfg.accumulate:
             return cpasync.CopyReduceBulkTensorTileS2GOp()
         return cpasync.CopyBulkTensorTileS2GOp()
+
+    @cute.jit
+    def store_subtile(self, tma_atom_c, sC_buf, gC_sub, desc_c, store_pipeline):
+        """The epilogue's store of one staged sub-tile, issued by one warp: shared memory
+        `sC_buf` -> global `gC_sub` with a TMA store, or a TMA reduce-add when accumulating
+        (`c_store_op`), through the atom's dense descriptor (`desc_c` None) or through an
+        expert's descriptor in the workspace (discrete mode: `tma_desc_ptr_for_copy`); then
+        the store group is committed and a staging buffer acquired for reuse."""
+        if cutlass.const_expr(desc_c is None):
+            cute.copy(tma_atom_c, sC_buf, gC_sub)
+        else:
+            cute.copy(tma_atom_c, sC_buf, gC_sub, tma_desc_ptr=desc_c)
+        store_pipeline.producer_commit()
+        store_pipeline.producer_acquire()
 
     def launch_prep(self, mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status_ptr,
                     tiled_mma, a_smem_layout, b_smem_layout, epi_smem_layout, stream):

@@ -8,19 +8,25 @@ not-yet-launched cluster and takes its unit, so clusters that drew short units t
 them and the hot experts' long units, handed out first, do not leave SMs idle at the end.
 
 Warp roles (224 threads per CTA), as in the CuTe DSL Blackwell examples
-(dense_gemm_persistent_dynamic.py for CLC, moe/torch_grouped_mm.py for the 2Dx2D wgrad):
-  warp 6    scheduler (first CTA of the cluster): issues the CLC queries; every other warp
-            reads each response from its own shared memory (multicast to the cluster).
-  warp 5    TMA: loads the unit's A (tile_m x 64) and B (tile_n x 64) K-blocks through the
-            expert's descriptors (TMA zero-fills past the expert's last token), multicast
-            within the cluster where the tile is shared.
-  warp 4    MMA: tcgen05.mma into a double-buffered TMEM accumulator (2 x tile_n columns), so
-            the epilogue of one unit overlaps the mainloop of the next; with a 256-row tile the
-            two CTAs of a cluster pair run one 2-CTA MMA (cta_group::2), the leader issuing it.
-  warps 0-3 epilogue: TMEM -> registers -> output dtype -> shared memory -> TMA store, or TMA
-            reduce-add when accumulating; dense outputs through one (hidden, intermediate, E)
-            descriptor, discrete outputs through the expert's descriptor. An empty expert
-            stores zeros, or nothing when accumulating.
+(dense_gemm_persistent_dynamic.py for CLC, moe/torch_grouped_mm.py for the 2Dx2D wgrad). The
+kernel body (gemm_cta) sets up shared memory, the pipelines, the TMEM allocator and the
+barriers, then calls one method per role; each returns the (unit, valid, clc_state) it ended
+with, since the DSL threads only values rebound in the body itself:
+  warp 6    scheduler(): on the first CTA of the cluster, issues the CLC queries; every other
+            warp reads each response from its own shared memory (multicast to the cluster).
+  warp 5    tma_loads(): loads the unit's A (tile_m x 64) and B (tile_n x 64) K-blocks
+            through the expert's descriptors (TMA zero-fills past the expert's last token),
+            multicast within the cluster where the tile is shared.
+  warp 4    mma(): tcgen05.mma into a double-buffered TMEM accumulator (2 x tile_n columns),
+            so the epilogue of one unit overlaps the mainloop of the next; with a 256-row tile
+            the two CTAs of a cluster pair run one 2-CTA MMA (cta_group::2), the leader
+            issuing it.
+  warps 0-3 epilogue(): allocates TMEM (warp 0), then per unit store_tile(): TMEM ->
+            registers -> output dtype -> shared memory, and warp 0 issues each sub-tile's TMA
+            store, or TMA reduce-add when accumulating, through the store helper shared with
+            SM90 (GroupedWgradKernel.store_subtile in kernels/common.py); dense outputs through
+            one (hidden, intermediate, E) descriptor, discrete outputs through the expert's
+            descriptor. An empty expert stores zeros, or nothing when accumulating.
 
 Pipelines: ab (TMA -> UMMA, transaction mbarriers), acc (UMMA -> epilogue, TMEM stages), clc
 (CLC response -> every warp), and the epilogue's TMA store groups.
@@ -332,7 +338,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         wgrad_ptrs, ws, cluster_layout_vmnk, a_smem_layout_staged, b_smem_layout_staged,
         epi_smem_layout_staged, epi_tile,
     ):
-        """One CTA's whole work (valid offsets only)."""
+        """One CTA's whole work (valid offsets only): the shared setup, then each warp's role
+        (scheduler, tma_loads, mma, epilogue)."""
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -433,202 +440,263 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         clc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
 
-        # Every warp starts with its cluster's own unit.
+        # Every warp starts with its cluster's own unit. Each role returns the (unit, valid,
+        # clc_state) it ended with: the DSL threads only values rebound in the body itself.
         unit = bidx // cluster_size
         valid = cutlass.Boolean(True)
 
-        # ---------------- scheduler warp: CLC queries ----------------
         if warp_idx == WarpRole.SCHEDULER:
-            if is_first_cta_in_cluster:
-                clc_prod = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.ProducerConsumer, 1
-                )
-                while valid:
-                    clc_pipeline.producer_acquire(clc_prod)
-                    with cute.arch.elect_one():
-                        cute.arch.issue_clc_query(
-                            clc_pipeline.producer_get_barrier(clc_prod), clc_response_ptr
-                        )
-                    clc_prod.advance()
-                    clc_pipeline.consumer_wait(clc_state)
-                    unit, valid = self.read_clc_response(clc_response_ptr, cluster_size)
-                    clc_pipeline.consumer_release(clc_state)
-                    clc_state.advance()
-                clc_pipeline.producer_tail(clc_prod)
-
-        # ---------------- TMA warp ----------------
-        if warp_idx == WarpRole.TMA:
-            last_expert = Int32(-1)
-            while valid:
-                expert, unit_m, unit_n, begin, k_tiles = decode_unit(cfg, unit, ws)
-                if expert != last_expert:
-                    # Drop stale cached copies: the prep kernel rewrote them in place.
-                    cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_A))
-                    cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_B))
-                last_expert = expert
-                desc_a = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_A))
-                desc_b = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_B))
-                k0 = token_origin(begin, cfg.a_ragged_block)
-                kb0 = token_origin(begin, cfg.b_ragged_block)
-                gA = cute.local_tile(
-                    cute.domain_offset((0, k0, 0), mA_coord),
-                    cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None),
-                )
-                gB = cute.local_tile(
-                    cute.domain_offset((0, kb0, 0), mB_coord),
-                    cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None),
-                )
-                tAsA, tAgA = cpasync.tma_partition(
-                    tma_atom_a, block_in_cluster_coord_vmnk[2], a_cta_layout,
-                    cute.group_modes(sA, 0, 3), cute.group_modes(thr_mma.partition_A(gA), 0, 3),
-                )
-                tBsB, tBgB = cpasync.tma_partition(
-                    tma_atom_b, block_in_cluster_coord_vmnk[1], b_cta_layout,
-                    cute.group_modes(sB, 0, 3), cute.group_modes(thr_mma.partition_B(gB), 0, 3),
-                )
-                mma_m = (unit_m * cfg.cluster_m + cta_m_in_cluster) // atom_thr
-                tAgA_slice = tAgA[(None, mma_m, None, 0)]
-                tBgB_slice = tBgB[(None, unit_n, None, 0)]
-
-                ab_producer.reset()
-                peek = ab_producer.try_acquire()
-                for k_tile in cutlass.range(0, k_tiles, 1, unroll=1):
-                    handle = ab_producer.acquire_and_advance(peek)
-                    cute.copy(
-                        tma_atom_a, tAgA_slice[(None, handle.count)], tAsA[(None, handle.index)],
-                        tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_a, mcast_mask=a_mcast_mask,
-                    )
-                    cute.copy(
-                        tma_atom_b, tBgB_slice[(None, handle.count)], tBsB[(None, handle.index)],
-                        tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_b, mcast_mask=b_mcast_mask,
-                    )
-                    peek = cutlass.Boolean(1)
-                    if handle.count + 1 < k_tiles:
-                        peek = ab_producer.try_acquire()
-
-                clc_pipeline.consumer_wait(clc_state)
-                unit, valid = self.read_clc_response(clc_response_ptr, cluster_size)
-                clc_pipeline.consumer_release(clc_state)
-                clc_state.advance()
-            ab_producer.tail()
-
-        # ---------------- MMA warp ----------------
-        if warp_idx == WarpRole.MMA:
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
-            acc_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Producer, self.acc_stage
+            unit, valid, clc_state = self.scheduler(
+                clc_pipeline, clc_state, clc_response_ptr, cluster_size,
+                is_first_cta_in_cluster, unit, valid,
             )
-            while valid:
-                expert, unit_m, unit_n, begin, k_tiles = decode_unit(cfg, unit, ws)
-                if is_leader_cta:
-                    tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
-                    ab_consumer.reset()
-                    peek = cutlass.Boolean(1)
-                    if k_tiles > 0:
-                        peek = ab_consumer.try_wait()
-                        acc_pipeline.producer_acquire(acc_state)
-                    for k_tile in cutlass.range(0, k_tiles, 1, unroll=1):
-                        handle = ab_consumer.wait_and_advance(peek)
-                        tiled_mma.set(tcgen05.Field.ACCUMULATE, k_tile != 0)
-                        crd = (None, None, None, handle.index)
-                        cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
-                        handle.release()
-                        peek = cutlass.Boolean(1)
-                        if handle.count + 1 < k_tiles:
-                            peek = ab_consumer.try_wait()
-                    if k_tiles > 0:
-                        acc_pipeline.producer_commit(acc_state)
-                # An empty unit produces no accumulator: both sides skip its stage.
-                if k_tiles > 0:
-                    acc_state.advance()
-
-                clc_pipeline.consumer_wait(clc_state)
-                unit, valid = self.read_clc_response(clc_response_ptr, cluster_size)
-                clc_pipeline.consumer_release(clc_state)
-                clc_state.advance()
-            acc_pipeline.producer_tail(acc_state)
+        if warp_idx == WarpRole.TMA:
+            unit, valid, clc_state = self.tma_loads(
+                tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB, thr_mma, ab_producer,
+                clc_pipeline, clc_state, clc_response_ptr, ws, a_cta_layout, b_cta_layout,
+                block_in_cluster_coord_vmnk, a_mcast_mask, b_mcast_mask, cta_m_in_cluster,
+                atom_thr, cluster_size, unit, valid,
+            )
+        if warp_idx == WarpRole.MMA:
+            unit, valid, clc_state = self.mma(
+                tiled_mma, tCrA, tCrB, tCtAcc_fake, tmem, ab_consumer, acc_pipeline,
+                clc_pipeline, clc_state, clc_response_ptr, ws, is_leader_cta, cluster_size,
+                unit, valid,
+            )
 
         sC = smem.allocate_tensor(
             element_type=self.c_dtype, layout=epi_smem_layout_staged.outer,
             byte_alignment=128, swizzle=epi_smem_layout_staged.inner,
         )
 
-        # ---------------- epilogue warps ----------------
         if warp_idx < WarpRole.EPILOGUE + NUM_EPI_WARPS:
-            tmem.allocate(self.num_tmem_alloc_cols)
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
-            acc_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.acc_stage
+            self.epilogue(
+                tma_atom_c, mC_coord, sC, thr_mma, tmem, tCtAcc_fake, acc_pipeline,
+                clc_pipeline, clc_state, clc_response_ptr, ws, wgrad_ptrs, tidx, warp_idx,
+                epi_tile, use_2cta_instrs, cta_m_in_cluster, atom_thr, cluster_size, unit, valid,
             )
-            c_pipeline = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stage,
-                producer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.num_epi_threads
-                ),
-            )
-            epi_bar = pipeline.NamedBarrier(barrier_id=int(Barrier.EPI), num_threads=self.num_epi_threads)
-            tCtAcc_transformed = transform_partitioned_tensor_layout(tCtAcc_base)
-            gC_mnl = cute.local_tile(
-                mC_coord, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
-            )
-            tCgC_transformed = transform_partitioned_tensor_layout(thr_mma.partition_C(gC_mnl))
-            tiled_copy_t2r, tTR_tAcc_base, tTR_rAcc = epilogue_tmem_copy_and_partition(
-                self, tidx, tCtAcc_transformed, tCgC_transformed, epi_tile, use_2cta_instrs
-            )
-            tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
-            tiled_copy_r2s, tRS_rC, tRS_sC = epilogue_smem_copy_and_partition(
-                self, tiled_copy_t2r, tTR_rC, tidx, sC
-            )
-            tCgC_epi = cute.flat_divide(tCgC_transformed, epi_tile)
-            bSG_sC, bSG_gC_all = cpasync.tma_partition(
-                tma_atom_c, 0, cute.make_layout(1),
-                cute.group_modes(sC, 0, 2), cute.group_modes(tCgC_epi, 0, 2),
-            )
-            n_done = Int32(0)
-            while valid:
-                expert, unit_m, unit_n, begin, k_tiles = decode_unit(cfg, unit, ws)
-                mma_m = (unit_m * cfg.cluster_m + cta_m_in_cluster) // atom_thr
-                store = True
-                if cutlass.const_expr(cfg.accumulate):
-                    store = k_tiles > 0  # adding zeros changes nothing
-                if cutlass.const_expr(cfg.output_mode == "discrete"):
-                    store = store and output_ptr_ok(wgrad_ptrs, expert)
-                if k_tiles > 0:
-                    acc_pipeline.consumer_wait(acc_state)
-                if store:
-                    if cutlass.const_expr(cfg.output_mode == "dense"):
-                        bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, expert)]
-                        self.store_tile(
-                            tTR_tAcc_base, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc,
-                            tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, None,
-                            c_pipeline, epi_bar, warp_idx, n_done,
-                        )
-                    else:
-                        bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, 0)]
-                        if warp_idx == WarpRole.EPILOGUE:
-                            cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_C))
-                        desc_c = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_C))
-                        self.store_tile(
-                            tTR_tAcc_base, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc,
-                            tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, desc_c,
-                            c_pipeline, epi_bar, warp_idx, n_done,
-                        )
-                    n_done += 1
-                if k_tiles > 0:
-                    acc_pipeline.consumer_release(acc_state)
-                    acc_state.advance()
 
+    # ------------------------------------------------------------------------------------
+    # warp roles
+    # ------------------------------------------------------------------------------------
+    @cute.jit
+    def scheduler(
+        self, clc_pipeline, clc_state, clc_response_ptr, cluster_size: cutlass.Constexpr,
+        is_first_cta_in_cluster, unit, valid,
+    ):
+        """Scheduler warp: the first CTA of the cluster issues the CLC queries; it also reads
+        each response, like every other warp."""
+        if is_first_cta_in_cluster:
+            clc_prod = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.ProducerConsumer, 1
+            )
+            while valid:
+                clc_pipeline.producer_acquire(clc_prod)
+                with cute.arch.elect_one():
+                    cute.arch.issue_clc_query(
+                        clc_pipeline.producer_get_barrier(clc_prod), clc_response_ptr
+                    )
+                clc_prod.advance()
                 clc_pipeline.consumer_wait(clc_state)
                 unit, valid = self.read_clc_response(clc_response_ptr, cluster_size)
                 clc_pipeline.consumer_release(clc_state)
                 clc_state.advance()
-            c_pipeline.producer_tail()
-            tmem.relinquish_alloc_permit()
-            tmem.free(tmem_ptr)
+            clc_pipeline.producer_tail(clc_prod)
+        return unit, valid, clc_state
+
+    @cute.jit
+    def tma_loads(
+        self, tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB, thr_mma, ab_producer,
+        clc_pipeline, clc_state, clc_response_ptr, ws, a_cta_layout, b_cta_layout,
+        block_in_cluster_coord_vmnk, a_mcast_mask, b_mcast_mask, cta_m_in_cluster,
+        atom_thr: cutlass.Constexpr, cluster_size: cutlass.Constexpr, unit, valid,
+    ):
+        """TMA warp: each unit's A and B K-blocks through the expert's descriptors."""
+        cfg = self.cfg
+        last_expert = Int32(-1)
+        while valid:
+            expert, unit_m, unit_n, begin, k_tiles = decode_unit(cfg, unit, ws)
+            if expert != last_expert:
+                # Drop stale cached copies: the prep kernel rewrote them in place.
+                cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_A))
+                cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_B))
+            last_expert = expert
+            desc_a = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_A))
+            desc_b = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_B))
+            k0 = token_origin(begin, cfg.a_ragged_block)
+            kb0 = token_origin(begin, cfg.b_ragged_block)
+            gA = cute.local_tile(
+                cute.domain_offset((0, k0, 0), mA_coord),
+                cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None),
+            )
+            gB = cute.local_tile(
+                cute.domain_offset((0, kb0, 0), mB_coord),
+                cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None),
+            )
+            tAsA, tAgA = cpasync.tma_partition(
+                tma_atom_a, block_in_cluster_coord_vmnk[2], a_cta_layout,
+                cute.group_modes(sA, 0, 3), cute.group_modes(thr_mma.partition_A(gA), 0, 3),
+            )
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_atom_b, block_in_cluster_coord_vmnk[1], b_cta_layout,
+                cute.group_modes(sB, 0, 3), cute.group_modes(thr_mma.partition_B(gB), 0, 3),
+            )
+            mma_m = (unit_m * cfg.cluster_m + cta_m_in_cluster) // atom_thr
+            tAgA_slice = tAgA[(None, mma_m, None, 0)]
+            tBgB_slice = tBgB[(None, unit_n, None, 0)]
+
+            ab_producer.reset()
+            peek = ab_producer.try_acquire()
+            for k_tile in cutlass.range(0, k_tiles, 1, unroll=1):
+                handle = ab_producer.acquire_and_advance(peek)
+                cute.copy(
+                    tma_atom_a, tAgA_slice[(None, handle.count)], tAsA[(None, handle.index)],
+                    tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_a, mcast_mask=a_mcast_mask,
+                )
+                cute.copy(
+                    tma_atom_b, tBgB_slice[(None, handle.count)], tBsB[(None, handle.index)],
+                    tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_b, mcast_mask=b_mcast_mask,
+                )
+                peek = cutlass.Boolean(1)
+                if handle.count + 1 < k_tiles:
+                    peek = ab_producer.try_acquire()
+
+            clc_pipeline.consumer_wait(clc_state)
+            unit, valid = self.read_clc_response(clc_response_ptr, cluster_size)
+            clc_pipeline.consumer_release(clc_state)
+            clc_state.advance()
+        ab_producer.tail()
+        return unit, valid, clc_state
+
+    @cute.jit
+    def mma(
+        self, tiled_mma, tCrA, tCrB, tCtAcc_fake, tmem, ab_consumer, acc_pipeline,
+        clc_pipeline, clc_state, clc_response_ptr, ws, is_leader_cta,
+        cluster_size: cutlass.Constexpr, unit, valid,
+    ):
+        """MMA warp: tcgen05.mma of each unit into the next TMEM accumulator stage (the
+        leader CTA of a pair issues it)."""
+        cfg = self.cfg
+        tmem.wait_for_alloc()
+        tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+        tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
+        acc_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Producer, self.acc_stage
+        )
+        while valid:
+            expert, unit_m, unit_n, begin, k_tiles = decode_unit(cfg, unit, ws)
+            if is_leader_cta:
+                tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
+                ab_consumer.reset()
+                peek = cutlass.Boolean(1)
+                if k_tiles > 0:
+                    peek = ab_consumer.try_wait()
+                    acc_pipeline.producer_acquire(acc_state)
+                for k_tile in cutlass.range(0, k_tiles, 1, unroll=1):
+                    handle = ab_consumer.wait_and_advance(peek)
+                    tiled_mma.set(tcgen05.Field.ACCUMULATE, k_tile != 0)
+                    crd = (None, None, None, handle.index)
+                    cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
+                    handle.release()
+                    peek = cutlass.Boolean(1)
+                    if handle.count + 1 < k_tiles:
+                        peek = ab_consumer.try_wait()
+                if k_tiles > 0:
+                    acc_pipeline.producer_commit(acc_state)
+            # An empty unit produces no accumulator: both sides skip its stage.
+            if k_tiles > 0:
+                acc_state.advance()
+
+            clc_pipeline.consumer_wait(clc_state)
+            unit, valid = self.read_clc_response(clc_response_ptr, cluster_size)
+            clc_pipeline.consumer_release(clc_state)
+            clc_state.advance()
+        acc_pipeline.producer_tail(acc_state)
+        return unit, valid, clc_state
+
+    @cute.jit
+    def epilogue(
+        self, tma_atom_c, mC_coord, sC, thr_mma, tmem, tCtAcc_fake, acc_pipeline,
+        clc_pipeline, clc_state, clc_response_ptr, ws, wgrad_ptrs, tidx, warp_idx, epi_tile,
+        use_2cta_instrs: cutlass.Constexpr, cta_m_in_cluster, atom_thr: cutlass.Constexpr,
+        cluster_size: cutlass.Constexpr, unit, valid,
+    ):
+        """Epilogue warps: the first allocates TMEM; each unit's accumulator goes TMEM ->
+        registers -> output dtype -> shared memory -> TMA store (store_tile); TMEM is freed
+        at the end."""
+        cfg = self.cfg
+        tmem.allocate(self.num_tmem_alloc_cols)
+        tmem.wait_for_alloc()
+        tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+        tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
+        acc_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Consumer, self.acc_stage
+        )
+        c_pipeline = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stage,
+            producer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.num_epi_threads
+            ),
+        )
+        epi_bar = pipeline.NamedBarrier(barrier_id=int(Barrier.EPI), num_threads=self.num_epi_threads)
+        tCtAcc_transformed = transform_partitioned_tensor_layout(tCtAcc_base)
+        gC_mnl = cute.local_tile(
+            mC_coord, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
+        )
+        tCgC_transformed = transform_partitioned_tensor_layout(thr_mma.partition_C(gC_mnl))
+        tiled_copy_t2r, tTR_tAcc_base, tTR_rAcc = epilogue_tmem_copy_and_partition(
+            self, tidx, tCtAcc_transformed, tCgC_transformed, epi_tile, use_2cta_instrs
+        )
+        tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+        tiled_copy_r2s, tRS_rC, tRS_sC = epilogue_smem_copy_and_partition(
+            self, tiled_copy_t2r, tTR_rC, tidx, sC
+        )
+        tCgC_epi = cute.flat_divide(tCgC_transformed, epi_tile)
+        bSG_sC, bSG_gC_all = cpasync.tma_partition(
+            tma_atom_c, 0, cute.make_layout(1),
+            cute.group_modes(sC, 0, 2), cute.group_modes(tCgC_epi, 0, 2),
+        )
+        n_done = Int32(0)
+        while valid:
+            expert, unit_m, unit_n, begin, k_tiles = decode_unit(cfg, unit, ws)
+            mma_m = (unit_m * cfg.cluster_m + cta_m_in_cluster) // atom_thr
+            store = True
+            if cutlass.const_expr(cfg.accumulate):
+                store = k_tiles > 0  # adding zeros changes nothing
+            if cutlass.const_expr(cfg.output_mode == "discrete"):
+                store = store and output_ptr_ok(wgrad_ptrs, expert)
+            if k_tiles > 0:
+                acc_pipeline.consumer_wait(acc_state)
+            if store:
+                if cutlass.const_expr(cfg.output_mode == "dense"):
+                    bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, expert)]
+                    self.store_tile(
+                        tTR_tAcc_base, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc,
+                        tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, None,
+                        c_pipeline, epi_bar, warp_idx, n_done,
+                    )
+                else:
+                    bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, 0)]
+                    if warp_idx == WarpRole.EPILOGUE:
+                        cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_C))
+                    desc_c = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_C))
+                    self.store_tile(
+                        tTR_tAcc_base, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc,
+                        tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, desc_c,
+                        c_pipeline, epi_bar, warp_idx, n_done,
+                    )
+                n_done += 1
+            if k_tiles > 0:
+                acc_pipeline.consumer_release(acc_state)
+                acc_state.advance()
+
+            clc_pipeline.consumer_wait(clc_state)
+            unit, valid = self.read_clc_response(clc_response_ptr, cluster_size)
+            clc_pipeline.consumer_release(clc_state)
+            clc_state.advance()
+        c_pipeline.producer_tail()
+        tmem.relinquish_alloc_permit()
+        tmem.free(tmem_ptr)
 
     # ------------------------------------------------------------------------------------
     @cute.jit
@@ -645,7 +713,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         self, tTR_tAcc_base, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc, tiled_copy_r2s,
         tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, desc_c, c_pipeline, epi_bar, warp_idx, n_done,
     ):
-        """TMEM -> registers -> output dtype -> shared memory -> TMA store, sub-tile by sub-tile."""
+        """TMEM -> registers -> output dtype -> shared memory -> TMA store, sub-tile by sub-tile
+        (the store itself: store_subtile, issued by the first epilogue warp)."""
         tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_state.index)]
         tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
         bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
@@ -663,12 +732,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             cute.arch.fence_proxy("async.shared", space="cta")
             epi_bar.arrive_and_wait()
             if warp_idx == WarpRole.EPILOGUE:
-                if cutlass.const_expr(desc_c is None):
-                    cute.copy(tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, sub)])
-                else:
-                    cute.copy(
-                        tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, sub)], tma_desc_ptr=desc_c
-                    )
-                c_pipeline.producer_commit()
-                c_pipeline.producer_acquire()
+                self.store_subtile(
+                    tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, sub)], desc_c, c_pipeline
+                )
             epi_bar.arrive_and_wait()

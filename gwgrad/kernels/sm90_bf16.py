@@ -10,14 +10,15 @@ skips everything, shared-memory setup and barrier init included: no loads, no MM
 so the output (dense or discrete, accumulated or not) keeps every byte it had.
 
 Warp roles (384 threads, one CTA per SM, persistent):
-  warp group 0   producer. Warp 0 takes units (its block index first, then an atomic counter),
+  warp group 0   producer(). Warp 0 takes units (its block index first, then an atomic counter),
                  publishes each unit to the consumers through a small shared-memory ring, and
                  issues the TMA loads of the unit's A (tile_m x 64) and B (tile_n x 64) K-blocks
                  into a multi-stage ring, using the expert's own descriptors (TMA zero-fills
                  past the expert's last token). It decodes the next unit and acquires and
                  prefetches its descriptors one unit ahead, so the ring does not drain at unit
                  boundaries. Registers are given away (setmaxnreg 40).
-  warp groups 1-2 consumers (setmaxnreg 232), WGMMA with FP32 accumulators in registers:
+  warp groups 1-2 consumer() (setmaxnreg 232): per unit mainloop() (WGMMA, FP32 accumulators
+                 in registers), then epilogue(); the two groups share the work:
                  cooperative: both warp groups work on one unit, each on half of its rows;
                  pingpong:    each warp group owns every other unit; ordered named barriers
                               hand the tensor cores from one to the other, so one group's
@@ -28,7 +29,8 @@ warp -> all consumer threads), and the TMA store of the epilogue (bulk async gro
 
 Epilogue: accumulators are converted to the output dtype, written to shared memory with
 stmatrix in (64|128) x 64 sub-tiles (x 32 for FP32) and stored with TMA: a plain store, or a reduce-add
-(`cp.reduce.async.bulk.tensor .add`) when accumulating; dense outputs use one (hidden,
+(`cp.reduce.async.bulk.tensor .add`) when accumulating, issued by the store helper shared with
+SM100 (GroupedWgradKernel.store_subtile in kernels/common.py); dense outputs use one (hidden,
 intermediate, E) descriptor, discrete outputs the expert's descriptor from the workspace.
 An empty expert stores zeros, or nothing when accumulating.
 
@@ -652,13 +654,8 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             epi_bar.arrive_and_wait()
             if is_store_warp:
                 gcoord = epi_layout.get_hier_coord(epi_idx)
-                if cutlass.const_expr(desc_c is None):
-                    cute.copy(tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gcoord)])
-                else:
-                    cute.copy(
-                        tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gcoord)],
-                        tma_desc_ptr=desc_c,
-                    )
-                store_pipeline.producer_commit()
-                store_pipeline.producer_acquire()
+                self.store_subtile(
+                    tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gcoord)], desc_c,
+                    store_pipeline,
+                )
             epi_bar.arrive_and_wait()

@@ -22,7 +22,7 @@ import functools
 import threading
 from typing import Any, Dict, Optional, Tuple
 
-from . import backends, interop, offsets as offsets_rules, status
+from . import backends, cuda, interop, offsets as offsets_rules, status
 from .backends.base import Backend, LaunchArgs
 from .dtypes import DType
 from .errors import ArgumentError
@@ -169,13 +169,38 @@ class LaunchPlan:
             status.raise_pending()
         if validate_offsets:
             self._check_on_host(offsets, out, stream)
-        if self.workspace_bytes and not workspace:
-            workspace = interop.workspace(self.device_id, stream, self.workspace_bytes)
         kernel = self._kernel
-        if kernel is None:  # a backend without a raw-address launcher
-            self._launch_args(a, b, offsets, out, scales, stream, workspace)
+        if kernel is None or (self.workspace_bytes and not workspace):
+            self._launch_slow(a, b, offsets, out, scales, stream, workspace)
             return
         kernel(stream, a, b, offsets, out, workspace, self._status, self.tokens_sum, *scales)
+
+    def _launch_slow(self, a, b, offsets, out, scales, stream, workspace) -> None:
+        """A backend without a raw-address launcher, or a caller that brought no workspace."""
+        captured = False
+        if self.workspace_bytes and not workspace:
+            workspace, captured = self._own_workspace(stream)
+        try:
+            if self._kernel is None:
+                self._launch_args(a, b, offsets, out, scales, stream, workspace)
+            else:
+                self._kernel(stream, a, b, offsets, out, workspace, self._status,
+                             self.tokens_sum, *scales)
+        finally:
+            if captured:
+                with cuda.on_device(self.device_id):
+                    cuda.free_async(workspace, stream)
+
+    def _own_workspace(self, stream: int) -> Tuple[int, bool]:
+        """(address, captured) of a workspace for a caller that brought none (raw pointers, a
+        CuPy call on a given stream): gwgrad's per-stream one in eager mode; while ``stream``
+        is being captured into a CUDA graph, a stream-ordered allocation (``captured``: free
+        it after the launch; both become memory nodes of the graph), so that replays never
+        share it with other work."""
+        with cuda.on_device(self.device_id):
+            if cuda.stream_is_capturing(stream):
+                return cuda.malloc_async(self.workspace_bytes, stream), True
+        return interop.workspace(self.device_id, stream, self.workspace_bytes), False
 
     def layout(self, operand: str) -> TensorDesc:
         """The layout (descriptor without storage) the plan was built for: "a", "b",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 from .. import cuda
 from ..dtypes import DType, as_dtype
@@ -23,7 +23,7 @@ from .dlpack import framework_of, from_dlpack
 
 __all__ = ["as_tensor_desc", "quick", "from_dlpack", "from_pointer", "framework", "stream_handle",
            "resolve_stream", "allocate", "pointer_array", "address_array", "keep_alive",
-           "launch_workspace", "workspace", "DeviceBuffer"]
+           "workspace", "DeviceBuffer"]
 
 
 _modules: dict = {}
@@ -230,27 +230,3 @@ def keep_alive(desc: Optional[TensorDesc], stream: int) -> None:
     torch_ = framework("torch")
     if torch_ is not None and isinstance(desc.owner, sys.modules["torch"].Tensor):
         torch_.record_stream(desc.owner, stream)
-
-
-def launch_workspace(like: TensorDesc, stream: int,
-                     nbytes: int) -> Tuple[int, Callable[[], None]]:
-    """(address, release) of a workspace for one launch on ``stream``; call ``release()``
-    right after enqueueing the launch.
-
-    torch operands: torch's caching allocator on the launch stream (stream-ordered, and
-    graph-private while a CUDA graph is captured). Otherwise, during capture: a
-    cudaMallocAsync / cudaFreeAsync pair that becomes memory nodes of the graph; in eager
-    mode: gwgrad's cached per-stream workspace.
-    """
-    torch_ = framework("torch") if like.framework == "torch" else None
-    if torch_ is not None:
-        return torch_.workspace(like.device_id, stream, nbytes), _nothing
-    with cuda.on_device(like.device_id):
-        if cuda.stream_is_capturing(stream):
-            ptr = cuda.malloc_async(nbytes, stream)
-            return ptr, lambda: cuda.free_async(ptr, stream)
-    return workspace(like.device_id, stream, nbytes), _nothing
-
-
-def _nothing() -> None:
-    pass

@@ -240,13 +240,6 @@ class LaunchPlan:
                                           f"address, got {ptr:#x}")
 
 
-def _signature(desc: Optional[TensorDesc]) -> Optional[tuple]:
-    # Everything build_spec reads from a tensor except its address (checked per launch).
-    if desc is None:
-        return None
-    return (desc.shape, desc.strides, desc.dtype, desc.device_type, desc.device_id)
-
-
 def hashable(value: Any) -> Any:
     """Lists (a tiling given as a list) as tuples, for cache keys."""
     if isinstance(value, list):
@@ -270,11 +263,11 @@ def plan_for(a: TensorDesc, b: TensorDesc, offsets: TensorDesc, *,
     or compiles the operator; later calls with the same signature cost a dict lookup. The
     target architecture (the device's, or ``CUTE_DSL_ARCH``) is read when a plan is built.
     """
-    key = (_signature(a), _signature(b), _signature(offsets), _signature(wgrad),
-           _signature(wgrad_ptrs), output_mode, hashable(wgrad_dtype), accumulate_on_output,
+    key = (interop.signature(a), interop.signature(b), interop.signature(offsets), interop.signature(wgrad),
+           interop.signature(wgrad_ptrs), output_mode, hashable(wgrad_dtype), accumulate_on_output,
            input_order, hashable(mma_tiler_mn), hashable(cluster_shape_mn), acc_dtype,
-           sf_vec_size, _signature(sfa), _signature(sfb), _signature(global_scale_a),
-           _signature(global_scale_b), a.framework)
+           sf_vec_size, interop.signature(sfa), interop.signature(sfb), interop.signature(global_scale_a),
+           interop.signature(global_scale_b), a.framework)
     try:
         plan = _plans.get(key)
     except TypeError:  # an unhashable argument: the full check names it
@@ -301,8 +294,8 @@ def plan_for_spec(operator: CompiledOperator, a: TensorDesc, b: TensorDesc,
                   **scales: Optional[TensorDesc]) -> LaunchPlan:
     """The plan for a call on an operator compiled for a given spec (the contract's class):
     the call is checked against that spec once per signature (``check_call``)."""
-    key = (_signature(a), _signature(b), _signature(offsets), _signature(wgrad),
-           _signature(wgrad_ptrs), *(_signature(v) for v in scales.values()))
+    key = (interop.signature(a), interop.signature(b), interop.signature(offsets), interop.signature(wgrad),
+           interop.signature(wgrad_ptrs), *(interop.signature(v) for v in scales.values()))
     plan = cache.get(key)
     if plan is None:
         check_call(operator.spec, a, b, offsets, wgrad=wgrad, wgrad_ptrs=wgrad_ptrs, **scales)

@@ -38,6 +38,8 @@ step() {
   say "=== $1 (timeout ${T} s, at ${SECONDS} s of ${BUDGET} s, $(date +%T))"
 }
 done_step() { say "--- $1 rc=$2 (${SECONDS} s)"; }
+# capture CMD...: run CMD under the step's timeout into step.txt, append that to the log; sets rc
+capture() { timeout "$T" "$@" > "$OUT/step.txt" 2>&1; rc=$?; cat "$OUT/step.txt" >> "$LOG"; }
 
 say "=== setup $(date +%T)"
 if [ -f .devwheels/b/install.sh ]; then  # quick when the CuTe DSL is already in /tmp/site
@@ -57,34 +59,31 @@ for s in $steps; do
   case $s in
     overhead)
       step overhead 110 || continue
-      timeout "$T" "$PY" -m gwgrad.bench.adapters --skip-kernel --step-timeout 30 \
-        --json "$OUT/overhead.json" > "$OUT/step.txt" 2>&1
-      rc=$?; cat "$OUT/step.txt" >> "$LOG"
+      capture "$PY" -m gwgrad.bench.adapters --skip-kernel --step-timeout 30 \
+        --json "$OUT/overhead.json"
       sed -n '/^host overhead per cached call/,$p' "$OUT/step.txt" | head -24
       [ $rc -eq 0 ] || tail -5 "$OUT/step.txt"
       done_step overhead $rc ;;
     coldstart)
       step coldstart 100 || continue
-      timeout "$T" "$PY" -m gwgrad.bench.coldstart --timeout $(( (T - 5) / 2 )) \
-        --json "$OUT/coldstart.json" > "$OUT/step.txt" 2>&1
-      rc=$?; cat "$OUT/step.txt" >> "$LOG"; tail -8 "$OUT/step.txt"
+      capture "$PY" -m gwgrad.bench.coldstart --timeout $(( (T - 5) / 2 )) \
+        --json "$OUT/coldstart.json"
+      tail -8 "$OUT/step.txt"
       done_step coldstart $rc ;;
     bench)
       # 8 rows x 2 distributions, ~9 methods each; rows not started after T-45 s are skipped
       # (and say so in the JSON, which is rewritten after every row).
       step bench 220 || continue
-      timeout "$T" "$PY" -m gwgrad bench --tiles "" --rounds ${GWGRAD_BENCH_ROUNDS:-20} \
+      capture "$PY" -m gwgrad bench --tiles "" --rounds ${GWGRAD_BENCH_ROUNDS:-20} \
         --sample-ms 12 --time-budget $((T > 90 ? T - 45 : T / 2)) --json "$OUT/bench.json" \
-        --plot "$OUT/bench.png" > "$OUT/step.txt" 2>&1
-      rc=$?; cat "$OUT/step.txt" >> "$LOG"
+        --plot "$OUT/bench.png"
       sed -n '/^wrapper\/adapter, worst row/,$p' "$OUT/step.txt" | head -60
       [ $rc -eq 0 ] || tail -5 "$OUT/step.txt"
       done_step bench $rc ;;
     tests)
       step tests 200 || continue
-      timeout "$T" "$PY" scripts/gpu_isolated.py --workers 14 --timeout 150 --budget $((T - 8)) \
-        --json "$OUT/isolated.json" $TESTS > "$OUT/step.txt" 2>&1
-      rc=$?; cat "$OUT/step.txt" >> "$LOG"
+      capture "$PY" scripts/gpu_isolated.py --workers 14 --timeout 150 --budget $((T - 8)) \
+        --json "$OUT/isolated.json" $TESTS
       grep -E "^(fail|TIMEOUT|missing)|^summary" "$OUT/step.txt" | tail -14
       done_step tests $rc ;;
     examples)
@@ -94,16 +93,14 @@ for s in $steps; do
       done ;;
     unrounded)
       step unrounded 200 || continue
-      timeout "$T" "$PY" -m gwgrad bench --tiles 128x256,128x128 --unrounded --no-check \
-        --time-budget $((T > 80 ? T - 40 : T / 2)) --json "$OUT/bench_unrounded.json" --plot "" \
-        > "$OUT/step.txt" 2>&1
-      rc=$?; cat "$OUT/step.txt" >> "$LOG"; sed -n '/^wrapper\/adapter, worst row/,$p' "$OUT/step.txt" | head -40
+      capture "$PY" -m gwgrad bench --tiles 128x256,128x128 --unrounded --no-check \
+        --time-budget $((T > 80 ? T - 40 : T / 2)) --json "$OUT/bench_unrounded.json" --plot ""
+      sed -n '/^wrapper\/adapter, worst row/,$p' "$OUT/step.txt" | head -40
       done_step unrounded $rc ;;
     adapters)
       step adapters 300 || continue
-      timeout "$T" "$PY" -m gwgrad.bench.adapters --dist uniform --skip-overhead --step-timeout 120 \
-        --json "$OUT/bench_adapters.json" > "$OUT/step.txt" 2>&1
-      rc=$?; cat "$OUT/step.txt" >> "$LOG"; tail -20 "$OUT/step.txt"
+      capture "$PY" -m gwgrad.bench.adapters --dist uniform --skip-overhead --step-timeout 120 \
+        --json "$OUT/bench_adapters.json"; tail -20 "$OUT/step.txt"
       done_step adapters $rc ;;
     *) say "unknown step: $s (steps: overhead coldstart bench tests examples unrounded adapters)" ;;
   esac

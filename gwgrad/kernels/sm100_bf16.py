@@ -497,10 +497,9 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                         clc_pipeline.producer_get_barrier(clc_prod), clc_response_ptr
                     )
                 clc_prod.advance()
-                clc_pipeline.consumer_wait(clc_state)
-                unit, valid = self.read_clc_response(clc_response_ptr, cluster_size)
-                clc_pipeline.consumer_release(clc_state)
-                clc_state.advance()
+                unit, valid, clc_state = self.next_unit(
+                    clc_pipeline, clc_state, clc_response_ptr, cluster_size
+                )
             clc_pipeline.producer_tail(clc_prod)
         return unit, valid, clc_state
 
@@ -561,10 +560,9 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                 if handle.count + 1 < k_tiles:
                     peek = ab_producer.try_acquire()
 
-            clc_pipeline.consumer_wait(clc_state)
-            unit, valid = self.read_clc_response(clc_response_ptr, cluster_size)
-            clc_pipeline.consumer_release(clc_state)
-            clc_state.advance()
+            unit, valid, clc_state = self.next_unit(
+                clc_pipeline, clc_state, clc_response_ptr, cluster_size
+            )
         ab_producer.tail()
         return unit, valid, clc_state
 
@@ -607,10 +605,9 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             if k_tiles > 0:
                 acc_state.advance()
 
-            clc_pipeline.consumer_wait(clc_state)
-            unit, valid = self.read_clc_response(clc_response_ptr, cluster_size)
-            clc_pipeline.consumer_release(clc_state)
-            clc_state.advance()
+            unit, valid, clc_state = self.next_unit(
+                clc_pipeline, clc_state, clc_response_ptr, cluster_size
+            )
         acc_pipeline.producer_tail(acc_state)
         return unit, valid, clc_state
 
@@ -690,15 +687,26 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                 acc_pipeline.consumer_release(acc_state)
                 acc_state.advance()
 
-            clc_pipeline.consumer_wait(clc_state)
-            unit, valid = self.read_clc_response(clc_response_ptr, cluster_size)
-            clc_pipeline.consumer_release(clc_state)
-            clc_state.advance()
+            unit, valid, clc_state = self.next_unit(
+                clc_pipeline, clc_state, clc_response_ptr, cluster_size
+            )
         c_pipeline.producer_tail()
         tmem.relinquish_alloc_permit()
         tmem.free(tmem_ptr)
 
     # ------------------------------------------------------------------------------------
+    @cute.jit
+    def next_unit(self, clc_pipeline, clc_state, clc_response_ptr,
+                  cluster_size: cutlass.Constexpr):
+        """Every role's step to its next unit: wait for the scheduler's CLC response, read
+        it, hand the slot back. The advanced state is returned (the DSL threads only values
+        rebound in the caller's loop)."""
+        clc_pipeline.consumer_wait(clc_state)
+        unit, valid = self.read_clc_response(clc_response_ptr, cluster_size)
+        clc_pipeline.consumer_release(clc_state)
+        clc_state.advance()
+        return unit, valid, clc_state
+
     @cute.jit
     def read_clc_response(self, clc_response_ptr, cluster_size: cutlass.Constexpr):
         """The unit of the cluster this CTA's cluster just cancelled (grid x = unit * size)."""

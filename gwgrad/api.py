@@ -54,7 +54,8 @@ class GroupedGemmWgrad:
     pass ``sample_wgrad_expert`` (one (hidden, intermediate) output) and/or ``wgrad_dtype``,
     with ``num_experts`` and ``wgrad_shape`` optional cross-checks; ``execute`` then takes
     ``wgrad_ptrs`` (or a stacked ``wgrad_tensor`` to build them from). ``tokens_sum`` and
-    the offsets values may change from call to call.
+    the offsets values may change from call to call. ``scale_recipe``: as for
+    ``grouped_gemm_wgrad`` (block-scaled inputs; gwgrad/scales.py).
     """
 
     def __init__(
@@ -80,6 +81,7 @@ class GroupedGemmWgrad:
         *,
         output_mode: Optional[str] = None,
         validate_offsets: bool = False,
+        scale_recipe: Optional[str] = None,
     ) -> None:
         if output_mode is None:
             discrete = sample_wgrad is None and (
@@ -109,7 +111,8 @@ class GroupedGemmWgrad:
                 wgrad=t["wgrad_tensor"], wgrad_expert=t["sample_wgrad_expert"],
                 num_experts=num_experts, wgrad_shape=wgrad_shape, wgrad_dtype=wgrad_dtype,
                 acc_dtype=acc_dtype, mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn,
-                sf_vec_size=sf_vec_size, accumulate=accumulate_on_output, input_order=input_order)
+                sf_vec_size=sf_vec_size, accumulate=accumulate_on_output, input_order=input_order,
+                scale_recipe=scale_recipe)
         except ArgumentError as exc:
             raise exc.renamed(_SAMPLE_NAMES) from None
         self._request = request
@@ -297,6 +300,7 @@ def grouped_gemm_wgrad(
     current_stream: Any = None,
     *,
     validate_offsets: bool = False,
+    scale_recipe: Optional[str] = None,
 ) -> TupleDict:
     """``W[e] = A[:, begin:end] @ B[begin:end, :]`` for every expert; see the README.
 
@@ -310,6 +314,10 @@ def grouped_gemm_wgrad(
     comes from ``gwgrad.check_errors()`` or the next gwgrad call (see gwgrad.status).
     ``validate_offsets=True`` also checks them on the host before launching (one copy and a
     synchronization: the error is then raised by this call). CPU arrays are always checked.
+
+    Block-scaled inputs: ``scale_recipe`` says what ``sfa_tensor`` / ``sfb_tensor`` hold
+    (gwgrad/scales.py): None or "blocked" for FP8 (E8M0 / E4M3) scale factors, and
+    "per_expert_channel" or "block_1x128" for FP32 ones.
     """
     if accumulate_on_output and wgrad_tensor is None and wgrad_ptrs is None:
         raise ArgumentError("wgrad_tensor", "expected an initialized output to accumulate into "
@@ -319,7 +327,7 @@ def grouped_gemm_wgrad(
     quick = _quick(tensors)
     key = (_signature(quick), output_mode, wgrad_dtype, acc_dtype,
            plans.hashable(mma_tiler_mn), plans.hashable(cluster_shape_mn), sf_vec_size,
-           accumulate_on_output, input_order)
+           accumulate_on_output, input_order, scale_recipe)
     try:
         plan = plans.call_plans.get(key)
     except TypeError:  # an unhashable argument: the full check names it
@@ -334,7 +342,7 @@ def grouped_gemm_wgrad(
             wgrad_dtype=wgrad_dtype, accumulate_on_output=accumulate_on_output,
             input_order=input_order, mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn,
             acc_dtype=acc_dtype, sf_vec_size=sf_vec_size, sfa=sfa, sfb=sfb, global_scale_a=gsa,
-            global_scale_b=gsb)
+            global_scale_b=gsb, scale_recipe=scale_recipe)
         if key is not None:
             plans.call_plans[key] = plan
     stream = _stream(current_stream, plan)

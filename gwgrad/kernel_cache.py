@@ -60,7 +60,7 @@ FORMAT = 1
 KINDS = ("ptr", "i32", "stream")
 #: What the compiled code depends on, relative to the gwgrad package: the kernels, the backends'
 #: spec -> kernel config mapping, and the modules those import from (tests check the list).
-SOURCES = ("kernels", "backends", "dtypes.py", "offsets.py", "spec.py")
+SOURCES = ("kernels", "backends", "dtypes.py", "offsets.py", "scales.py", "spec.py")
 
 _lock = threading.RLock()
 _memory: Dict[str, "KernelFunction"] = {}

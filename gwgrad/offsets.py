@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+from . import scales
 from .errors import ArgumentError
 from .spec import StaticSpec
 from .tensors import TensorDesc
@@ -22,14 +23,19 @@ from .tensors import TensorDesc
 def token_count_multiple(spec: StaticSpec) -> int:
     """Each expert's token count (offsets[e] - offsets[e-1]) must be a multiple of this.
 
-    The contract's 256 stays for block-scaled inputs (scale-factor blocks and the legacy
-    kernel's tiles). BF16 kernels take any count when both operands are M/N-major (the token
-    axis is the strided one). A K-major operand has the token axis contiguous: TMA needs each
-    expert's rows to start and end on 16-byte boundaries there (and a ``tensor_ragged`` block
-    has a row stride of ``count`` elements), so counts must be multiples of 8.
+    Block-scaled inputs: 32 with ``blocked`` scales, every format (whole ``sf_vec_size`` scale
+    blocks for MX, and 16-byte TMA rows of packed FP4 / FP8: an expert's scales start at a
+    prefix sum of its predecessors', gwgrad/scales.py); 16 with the FP32 recipes
+    (``per_expert_channel``, ``block_1x128``: FP8 operands, 16-byte TMA rows). BF16 kernels take
+    any count when both operands are M/N-major (the token axis is the strided one). A K-major
+    operand has the token axis contiguous: TMA needs each expert's rows to start and end on
+    16-byte boundaries there (and a ``tensor_ragged`` block has a row stride of ``count``
+    elements), so counts must be multiples of 8.
     """
     if spec.is_block_scaled:
-        return 256
+        if spec.scale_recipe in (scales.PER_EXPERT_CHANNEL, scales.BLOCK_1X128):
+            return 16
+        return 32
     if "k" in (spec.a_major, spec.b_major):
         return 16 // spec.a_dtype.itemsize
     return 1
@@ -44,13 +50,30 @@ def tokens_sum_multiple(spec: StaticSpec) -> int:
 
 #: Verdict codes of an offsets check, shared with the kernels' prep kernel, which records the
 #: first problem it finds in gwgrad's status record (gwgrad/status.py) in the same order as
-#: ``find_problem``: a negative count first, then the last offset, then a count's multiple.
+#: ``find_problem``: a negative count first, then the last offset, then a count's multiple,
+#: then (recipes whose experts' scales start at a prefix sum, gwgrad/scales.py) the first expert
+#: whose scales end past the scale tensors' capacity.
 NEGATIVE_COUNT, LAST_NOT_TOKENS_SUM, COUNT_NOT_MULTIPLE = 1, 2, 3
+#: The experts' scale columns (gwgrad/scales.py) do not fit the scale tensors (names sfa_tensor).
+SCALES_TOO_SMALL = 4
 
 
-def find_problem(offsets: np.ndarray, tokens_sum: int,
-                 multiple: int) -> Optional[Tuple[int, int, int, int]]:
-    """``(code, expert, offsets[expert], previous offset)`` of the first problem, or None."""
+def problem_argument(code: int, name: str = "offsets_tensor") -> str:
+    """The argument a problem is reported under: ``sfa_tensor`` for ``SCALES_TOO_SMALL``
+    (the scale tensors are too small for these offsets), else ``name``."""
+    return "sfa_tensor" if code == SCALES_TOO_SMALL else name
+
+
+def find_problem(offsets: np.ndarray, tokens_sum: int, multiple: int,
+                 rule: Optional[Tuple[int, int]] = None,
+                 capacity: int = 0) -> Optional[Tuple[int, int, int, int]]:
+    """``(code, expert, offsets[expert], previous offset)`` of the first problem, or None.
+
+    ``rule``: ``scales.column_rule(recipe, sf_vec_size)`` of a recipe with a scale capacity
+    (``capacity``: columns of ``blocked``, rows of ``block_1x128`` scales); then the first
+    expert e with ``sum_{i<=e} C_i > capacity`` gives ``(SCALES_TOO_SMALL, e, sum_{i<=e} C_i,
+    capacity)``, after the other checks.
+    """
     values = np.asarray(offsets, dtype=np.int64).reshape(-1)
     prev = np.concatenate([[0], values[:-1]])
     counts = values - prev
@@ -66,12 +89,25 @@ def find_problem(offsets: np.ndarray, tokens_sum: int,
         if bad.size:
             e = int(bad[0])
             return COUNT_NOT_MULTIPLE, e, int(values[e]), int(prev[e])
+    if rule is not None:
+        tokens, pad = rule
+        columns = -(-counts // tokens)
+        columns = -(-columns // pad) * pad
+        cumulative = np.cumsum(columns)
+        bad = np.flatnonzero(cumulative > capacity)
+        if bad.size:
+            e = int(bad[0])
+            return SCALES_TOO_SMALL, e, int(cumulative[e]), int(capacity)
     return None
 
 
 def problem_detail(code: int, expert: int, value: int, prev: int, tokens_sum: int,
-                   multiple: int, name: str = "offsets_tensor") -> str:
-    """The message (after ``name: ``) for a problem found by ``find_problem`` or a kernel."""
+                   multiple: int, name: str = "offsets_tensor",
+                   rule: Optional[Tuple[int, int]] = None) -> str:
+    """The message (after ``problem_argument(code, name): ``) for a problem found by
+    ``find_problem`` or a kernel. For ``SCALES_TOO_SMALL`` ``value`` / ``prev`` are the
+    columns needed / the capacity; ``rule``: the recipe's column rule when known (a device
+    record has only the count multiple, which tells the recipe: 32 blocked, 16 block_1x128)."""
     e = expert
     if code == NEGATIVE_COUNT:
         if e == 0:
@@ -84,22 +120,42 @@ def problem_detail(code: int, expert: int, value: int, prev: int, tokens_sum: in
     if code == COUNT_NOT_MULTIPLE:
         return (f"expected every expert's token count to be a multiple of {multiple} "
                 f"({_multiple_reason(multiple)}), got {value - prev} tokens for expert {e}")
+    if code == SCALES_TOO_SMALL:
+        experts = "expert 0" if e == 0 else f"experts 0..{e}"
+        if rule is not None:
+            tokens, pad = rule
+        else:
+            tokens, pad = ("sf_vec_size", 4) if multiple != 16 else (scales.BLOCK_TOKENS, 1)
+        if pad == 1:
+            what, formula = "scale rows", f"sum of ceil(count/{tokens})"
+        else:
+            what, formula = "scale columns", f"sum of round_up(ceil(count/{tokens}), {pad})"
+        return (f"expected at least {value} {what} for {experts} with these offsets "
+                f"({formula}), got {prev}")
     return f"invalid offsets (problem code {code} for expert {e})"
 
 
 def _multiple_reason(multiple: int) -> str:
-    if multiple >= 128:
-        return "block-scaled inputs"
+    if multiple >= 32:
+        return "block-scaled inputs: whole scale blocks and 16-byte aligned TMA rows"
+    if multiple == 16:
+        return "FP8 inputs with FP32 scales: 16-byte aligned TMA rows"
     return "a K-major a_tensor/b_tensor: 16-byte aligned TMA rows"
 
 
 def check_offsets_values(offsets: np.ndarray, tokens_sum: int, spec: StaticSpec,
-                         name: str = "offsets_tensor") -> None:
-    """Raise ArgumentError naming ``name`` unless the offsets describe ``tokens_sum`` tokens."""
+                         name: str = "offsets_tensor", capacity: Optional[int] = None) -> None:
+    """Raise ArgumentError naming ``name`` unless the offsets describe ``tokens_sum`` tokens;
+    with the scale tensors' ``capacity`` (``validation.scale_capacity``) of a recipe that has
+    one, also naming ``sfa_tensor`` when the experts' scales need more."""
     multiple = token_count_multiple(spec)
-    problem = find_problem(offsets, tokens_sum, multiple)
+    rule = None
+    if capacity is not None:
+        rule = scales.column_rule(spec.scale_recipe, spec.sf_vec_size)
+    problem = find_problem(offsets, tokens_sum, multiple, rule, capacity or 0)
     if problem is not None:
-        raise ArgumentError(name, problem_detail(*problem, tokens_sum, multiple, name))
+        raise ArgumentError(problem_argument(problem[0], name),
+                            problem_detail(*problem, tokens_sum, multiple, name, rule=rule))
 
 
 def check_ptr_values(ptrs: np.ndarray, name: str = "wgrad_ptrs") -> None:
@@ -126,11 +182,13 @@ def _read(desc: TensorDesc, np_dtype, stream: int) -> np.ndarray:
 
 
 def check_values(spec: StaticSpec, offsets: TensorDesc, tokens_sum: int,
-                 wgrad_ptrs: Optional[TensorDesc] = None, stream: int = 0) -> bool:
+                 wgrad_ptrs: Optional[TensorDesc] = None, stream: int = 0, *,
+                 capacity: Optional[int] = None) -> bool:
     """Check offsets (and wgrad_ptrs) values; False when skipped during stream capture.
 
     Device-resident values are copied on ``stream`` (so after whatever produced them) and
-    read after one synchronization.
+    read after one synchronization. ``capacity``: the scale tensors' capacity
+    (``validation.scale_capacity``), checked against the offsets too (None: not checked).
     """
     from . import cuda
 
@@ -145,7 +203,7 @@ def check_values(spec: StaticSpec, offsets: TensorDesc, tokens_sum: int,
     if on_device:
         with cuda.on_device(device_id):
             cuda.synchronize(stream)
-    check_offsets_values(offsets_host, tokens_sum, spec)
+    check_offsets_values(offsets_host, tokens_sum, spec, capacity=capacity)
     if ptrs_host is not None:
         check_ptr_values(ptrs_host)
     return True

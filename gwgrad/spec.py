@@ -39,6 +39,9 @@ class StaticSpec:
     # Block-scaled only: scale-factor dtype and whether global scales are passed.
     sf_dtype: Optional[DType] = None
     has_global_scale: bool = False
+    # Block-scaled only: which scales (gwgrad/scales.py: "blocked", "per_expert_channel",
+    # "block_1x128"); None for BF16.
+    scale_recipe: Optional[str] = None
     # Tuning, with mma_tiler_mn and cluster_shape_mn (0 / None: the backend's default, filled
     # in by backends.finalize_spec): m-tiles per raster band of the unit order, columns of one
     # epilogue sub-tile. Part of the spec, so part of every cache key; never read from the

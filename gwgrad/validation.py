@@ -16,13 +16,19 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 from .dtypes import BLOCK_SCALED_DTYPES, OUTPUT_DTYPES, DType, as_dtype
 from .errors import fail
 from .offsets import tokens_sum_multiple
+from .scales import BLOCK_1X128, BLOCK_TOKENS, BLOCKED, PER_EXPERT_CHANNEL, RECIPES, round_up
 from .spec import INPUT_ORDERS, OUTPUT_MODES, StaticSpec
 from .tensors import TensorDesc
 
 #: TMA and the vectorized epilogue need 16-byte aligned base addresses.
 ALIGNMENT_BYTES = 16
+#: Scale-factor dtypes of the ``blocked`` recipe (MXFP8 / MXFP4: E8M0; NVFP4: E4M3).
 SF_DTYPES = (DType.FLOAT8_E8M0FNU, DType.FLOAT8_E4M3FN)
 SF_VEC_SIZES = (16, 32)
+#: FP8 operand dtypes; the FP32-scale recipes may mix them (A e4m3, B e5m2 or the reverse).
+FP8_DTYPES = (DType.FLOAT8_E4M3FN, DType.FLOAT8_E5M2)
+#: Recipes of FP32 scale factors (gwgrad/scales.py).
+FP32_RECIPES = (PER_EXPERT_CHANNEL, BLOCK_1X128)
 
 _MAJOR_WORDS = {"k": "K-major", "m": "M-major", "n": "N-major"}
 
@@ -219,6 +225,7 @@ def build_spec(
     accumulate: bool = False,
     input_order: str = "tensor2d",
     arch: Union[str, Callable[[int], str], None] = None,
+    scale_recipe: Optional[str] = None,
 ) -> StaticSpec:
     """Check every static rule of the contract for one call and return its spec.
 
@@ -227,6 +234,8 @@ def build_spec(
     is the target for CUDA tensors: a string, or a function of the device ordinal called
     only after the device rules passed (so a mixed-device call fails as such, not as "no
     CUDA"). The tiling stays as given (None: the backend's default, filled in later).
+    ``scale_recipe``: block-scaled inputs' scale recipe (gwgrad/scales.py; None: "blocked"
+    for FP8 scale factors; FP32 scale factors must name theirs); None for BF16.
     """
     output_mode = _choice(output_mode, "output_mode", OUTPUT_MODES)
     input_order = _choice(input_order, "input_order", INPUT_ORDERS)
@@ -249,8 +258,10 @@ def build_spec(
     if a.dtype != DType.BFLOAT16 and a.dtype not in BLOCK_SCALED_DTYPES:
         allowed = ", ".join(str(d) for d in (DType.BFLOAT16,) + BLOCK_SCALED_DTYPES)
         _fail("a_tensor", f"dtype {allowed}", a.dtype)
-    if b.dtype != a.dtype:
-        _fail("b_tensor", f"dtype {a.dtype} like a_tensor (A and B share one dtype)", b.dtype)
+    if b.dtype != a.dtype and not (a.dtype in FP8_DTYPES and b.dtype in FP8_DTYPES):
+        # Mixed FP8 types: only FP32-scale recipes take them (checked with the scales).
+        _fail("b_tensor", f"dtype {a.dtype} like a_tensor (A and B share one dtype; only "
+              "e4m3 and e5m2 mix, with float32 scale factors)", b.dtype)
     block_scaled = a.dtype != DType.BFLOAT16
     a_major = operand_major(a, "a_tensor", "a", input_order)
     b_major = operand_major(b, "b_tensor", "b", input_order)
@@ -263,6 +274,7 @@ def build_spec(
     if hidden <= 0 or hidden % multiple:
         _fail("a_tensor", f"hidden (shape[0]) a positive multiple of {multiple} for {a.dtype} "
               "(16-byte rows)", f"hidden = {hidden}")
+    multiple = dim_multiple(b.dtype)
     if intermediate <= 0 or intermediate % multiple:
         _fail("b_tensor", f"intermediate (shape[1]) a positive multiple of {multiple} for "
               f"{b.dtype} (16-byte rows)", f"intermediate = {intermediate}")
@@ -276,6 +288,9 @@ def build_spec(
     # Scale controls: BF16 rejects every one of them; block-scaled needs its scale factors.
     sf_dtype, has_global_scale = None, False
     if not block_scaled:
+        if scale_recipe is not None:
+            _fail("scale_recipe", "None for bfloat16 inputs (BF16 takes no scale controls)",
+                  repr(scale_recipe))
         for value, name in ((sfa, "sfa_tensor"), (sfb, "sfb_tensor"),
                             (global_scale_a, "global_scale_a"), (global_scale_b, "global_scale_b")):
             if value is not None:
@@ -285,22 +300,10 @@ def build_spec(
     else:
         sfa = require_tensor(sfa, "sfa_tensor")
         sfb = require_tensor(sfb, "sfb_tensor")
-        if sfa.dtype not in SF_DTYPES:
-            _fail("sfa_tensor", f"dtype {' or '.join(str(d) for d in SF_DTYPES)}", sfa.dtype)
-        if sfb.dtype != sfa.dtype:
-            _fail("sfb_tensor", f"dtype {sfa.dtype} like sfa_tensor", sfb.dtype)
-        if sf_vec_size not in SF_VEC_SIZES:
-            _fail("sf_vec_size", "16 or 32 for block-scaled inputs", sf_vec_size)
-        if sfa.dtype == DType.FLOAT8_E4M3FN and sf_vec_size != 16:
-            _fail("sf_vec_size", "16 with float8_e4m3fn scale factors (NVFP4)", sf_vec_size)
-        if a.dtype != DType.FLOAT4_E2M1FN_X2 and sf_vec_size != 32:
-            _fail("sf_vec_size", f"32 for {a.dtype} operands (MXFP8)", sf_vec_size)
-        if (global_scale_a is None) != (global_scale_b is None):
-            missing = "global_scale_b" if global_scale_b is None else "global_scale_a"
-            _fail(missing, "a tensor (global scales come in pairs)", "None")
-        for value, name in ((global_scale_a, "global_scale_a"), (global_scale_b, "global_scale_b")):
-            if value is not None and (value.dtype != DType.FLOAT32 or value.numel != 1):
-                _fail(name, "a float32 tensor with one element", _about(value))
+        scale_recipe, sf_vec_size = _scale_format(a, b, sfa, sfb, global_scale_a, global_scale_b,
+                                                  sf_vec_size, scale_recipe, experts)
+        check_scale_shapes(scale_recipe, sf_vec_size, sfa, sfb, hidden, intermediate, experts,
+                           tokens_sum)
         sf_dtype, has_global_scale = sfa.dtype, global_scale_a is not None
 
     # Outputs.
@@ -358,9 +361,125 @@ def build_spec(
         a_major=a_major, b_major=b_major, input_order=input_order, output_mode=output_mode,
         accumulate=accumulate, mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn,
         sf_vec_size=sf_vec_size, arch=target, sf_dtype=sf_dtype, has_global_scale=has_global_scale,
+        scale_recipe=scale_recipe if block_scaled else None,
     )
     check_tokens_sum(spec, tokens_sum)
     return spec
+
+
+def _scale_format(a: TensorDesc, b: TensorDesc, sfa: TensorDesc, sfb: TensorDesc,
+                  global_scale_a: Optional[TensorDesc], global_scale_b: Optional[TensorDesc],
+                  sf_vec_size: int, scale_recipe: Any, experts: int) -> Tuple[str, int]:
+    """The (recipe, spec's sf_vec_size) of block-scaled inputs: exactly MXFP8, NVFP4 and MXFP4
+    with ``blocked`` scales, or FP8 with the FP32 recipes; global scales (E,) FP32, in pairs."""
+    allowed = SF_DTYPES + (DType.FLOAT32,)
+    if sfa.dtype not in allowed:
+        _fail("sfa_tensor", f"dtype {', '.join(str(d) for d in allowed)} (scale factors)", sfa.dtype)
+    if sfb.dtype != sfa.dtype:
+        _fail("sfb_tensor", f"dtype {sfa.dtype} like sfa_tensor", sfb.dtype)
+    if scale_recipe is not None:
+        scale_recipe = _choice(scale_recipe, "scale_recipe", RECIPES)
+    if (global_scale_a is None) != (global_scale_b is None):
+        missing = "global_scale_b" if global_scale_b is None else "global_scale_a"
+        _fail(missing, "a tensor (global scales come in pairs)", "None")
+    for value, name in ((global_scale_a, "global_scale_a"), (global_scale_b, "global_scale_b")):
+        if value is not None:
+            check_contiguous_1d(value, name, experts, DType.FLOAT32)
+
+    if sfa.dtype == DType.FLOAT32:
+        if scale_recipe not in FP32_RECIPES:
+            _fail("scale_recipe", " or ".join(repr(r) for r in FP32_RECIPES) + " for float32 "
+                  "scale factors", repr(scale_recipe))
+        if a.dtype not in FP8_DTYPES:
+            _fail("a_tensor", f"dtype {' or '.join(str(d) for d in FP8_DTYPES)} with float32 "
+                  f"scale factors ({scale_recipe})", a.dtype)
+        if scale_recipe == PER_EXPERT_CHANNEL:
+            if sf_vec_size != 16:
+                _fail("sf_vec_size", "16, the default (per_expert_channel has one scale per "
+                      "expert and channel)", sf_vec_size)
+            return scale_recipe, 0
+        if sf_vec_size not in (16, BLOCK_TOKENS):
+            _fail("sf_vec_size", f"{BLOCK_TOKENS} (or the default 16) for block_1x128",
+                  sf_vec_size)
+        return scale_recipe, BLOCK_TOKENS
+
+    if scale_recipe not in (None, BLOCKED):
+        _fail("scale_recipe", f"'blocked' or None for {sfa.dtype} scale factors (the FP32 "
+              "recipes take float32 ones)", repr(scale_recipe))
+    if a.dtype in FP8_DTYPES:  # MXFP8
+        if b.dtype != a.dtype:
+            _fail("b_tensor", f"dtype {a.dtype} like a_tensor (MXFP8 takes one FP8 type for A "
+                  "and B; only the FP32-scale recipes mix e4m3 with e5m2)", b.dtype)
+        if sfa.dtype != DType.FLOAT8_E8M0FNU:
+            _fail("sfa_tensor", f"dtype float8_e8m0fnu for {a.dtype} operands (MXFP8)", sfa.dtype)
+        if sf_vec_size != 32:
+            _fail("sf_vec_size", f"32 for {a.dtype} operands (MXFP8)", sf_vec_size)
+    elif sfa.dtype == DType.FLOAT8_E4M3FN:  # NVFP4
+        if sf_vec_size != 16:
+            _fail("sf_vec_size", "16 with float8_e4m3fn scale factors (NVFP4)", sf_vec_size)
+        if global_scale_a is None:
+            _fail("global_scale_a", "a float32 (num_experts,) tensor (NVFP4 needs global "
+                  "scales)", "None")
+    elif sf_vec_size != 32:  # MXFP4
+        _fail("sf_vec_size", "32 with float8_e8m0fnu scale factors (MXFP4)", sf_vec_size)
+    return BLOCKED, sf_vec_size
+
+
+def _check_2d_contiguous(desc: TensorDesc, name: str) -> None:
+    if not desc.is_contiguous():
+        _fail(name, f"contiguous strides ({desc.shape[1]}, 1)", f"strides {desc.strides}")
+
+
+def check_scale_shapes(recipe: Optional[str], sf_vec_size: int, sfa: TensorDesc,
+                       sfb: TensorDesc, hidden: int, intermediate: int, num_experts: int,
+                       tokens_sum: int) -> None:
+    """The scale tensors' shapes and strides for ``recipe`` (gwgrad/scales.py); the capacity's
+    lower bound that holds for any counts (the offsets' own check is offsets.find_problem)."""
+    if recipe in (None, BLOCKED):
+        need = round_up(-(-tokens_sum // sf_vec_size), 4)
+        rows_a, rows_b = round_up(hidden, 128), round_up(intermediate, 128)
+        if (sfa.ndim != 2 or sfa.shape[0] != rows_a or sfa.shape[1] % 4
+                or sfa.shape[1] < need):
+            _fail("sfa_tensor", f"shape (round_up(hidden, 128), C) = ({rows_a}, C) with C a "
+                  f"multiple of 4 and C >= round_up(ceil(tokens_sum / {sf_vec_size}), 4) = {need} "
+                  "(blocked scales)", f"shape {sfa.shape}")
+        _check_2d_contiguous(sfa, "sfa_tensor")
+        columns = sfa.shape[1]
+        if sfb.shape != (rows_b, columns):
+            _fail("sfb_tensor", f"shape (round_up(intermediate, 128), C) = ({rows_b}, {columns}) "
+                  "(C = sfa_tensor.shape[1])", f"shape {sfb.shape}")
+        _check_2d_contiguous(sfb, "sfb_tensor")
+    elif recipe == PER_EXPERT_CHANNEL:
+        for desc, name, width, what in ((sfa, "sfa_tensor", hidden, "hidden"),
+                                        (sfb, "sfb_tensor", intermediate, "intermediate")):
+            shapes = ((num_experts, width), (num_experts * width,))
+            if desc.shape not in shapes:
+                _fail(name, f"shape (num_experts, {what}) = {shapes[0]} or flat {shapes[1]} "
+                      "(per_expert_channel)", f"shape {desc.shape}")
+            if not desc.is_contiguous():
+                _fail(name, "a contiguous tensor", f"strides {desc.strides}")
+    elif recipe == BLOCK_1X128:
+        need = -(-tokens_sum // BLOCK_TOKENS)
+        if sfa.ndim != 2 or sfa.shape[1] != hidden or sfa.shape[0] < need:
+            _fail("sfa_tensor", f"shape (R, hidden) = (R, {hidden}) with R >= ceil(tokens_sum / "
+                  f"{BLOCK_TOKENS}) = {need} (block_1x128)", f"shape {sfa.shape}")
+        _check_2d_contiguous(sfa, "sfa_tensor")
+        if sfb.shape != (sfa.shape[0], intermediate):
+            _fail("sfb_tensor", f"shape (R, intermediate) = ({sfa.shape[0]}, {intermediate}) "
+                  "(R = sfa_tensor.shape[0])", f"shape {sfb.shape}")
+        _check_2d_contiguous(sfb, "sfb_tensor")
+
+
+def scale_capacity(spec: StaticSpec, sfa: Optional[TensorDesc]) -> int:
+    """What the scale tensors hold for the offsets' prefix sum (gwgrad/scales.py): C columns
+    (blocked), R rows (block_1x128); 0 for other recipes and BF16."""
+    if sfa is None or not spec.is_block_scaled:
+        return 0
+    if spec.scale_recipe in (None, BLOCKED):
+        return sfa.shape[1] if sfa.ndim == 2 else 0
+    if spec.scale_recipe == BLOCK_1X128:
+        return sfa.shape[0]
+    return 0
 
 
 def _output_dtype(desc: TensorDesc, name: str, requested: Optional[DType]) -> DType:
@@ -407,12 +526,14 @@ def check_call(spec: StaticSpec, a: Optional[TensorDesc], b: Optional[TensorDesc
         for desc, name in ((sfa, "sfa_tensor"), (sfb, "sfb_tensor")):
             if require_tensor(desc, name).dtype != spec.sf_dtype:
                 _fail(name, f"dtype {spec.sf_dtype} (this operator's spec)", desc.dtype)
+        check_scale_shapes(spec.scale_recipe, spec.sf_vec_size, sfa, sfb, spec.hidden,
+                           spec.intermediate, spec.num_experts, tokens_sum)
         for desc, name in ((global_scale_a, "global_scale_a"), (global_scale_b, "global_scale_b")):
             if (desc is not None) != spec.has_global_scale:
                 _fail(name, "a tensor" if spec.has_global_scale else "None", "None" if desc is None
                       else _about(desc))
-            if desc is not None and (desc.dtype != DType.FLOAT32 or desc.numel != 1):
-                _fail(name, "a float32 tensor with one element", _about(desc))
+            if desc is not None:
+                check_contiguous_1d(desc, name, spec.num_experts, DType.FLOAT32)
     else:
         for desc, name in ((sfa, "sfa_tensor"), (sfb, "sfb_tensor"),
                            (global_scale_a, "global_scale_a"), (global_scale_b, "global_scale_b")):

@@ -11,6 +11,7 @@ import pytest
 import gwgrad
 from gwgrad import DType, from_pointer
 from gwgrad.backends.reference import _fp8_table, decode, round_to_bfloat16_bits, unpack_fp4
+from gwgrad.scales import assemble_blocked
 from wgrad_cases import (
     TOLERANCE,
     bf16,
@@ -165,7 +166,7 @@ def test_decode_bfloat16_and_float16():
     assert np.array_equal(decode(h, DType.FLOAT16), h.astype(np.float64))
 
 
-# --- block-scaled ----------------------------------------------------------------------------
+# --- block-scaled (more in test_reference_scaled.py: every recipe, ragged counts) --------------
 
 def _fp8_codes(rng, shape, ml):
     # Random finite codes (NaN/inf excluded), decoded independently by ml_dtypes.
@@ -182,6 +183,16 @@ def _cpu(memory, shape, strides, dtype):
     return from_pointer(memory.ctypes.data, shape, strides, dtype, device_type="cpu", owner=memory)
 
 
+def _blocked(codes, offsets, vec, which):
+    """The blocked scale tensor (gwgrad/scales.py) of logical scales indexed by the global token
+    block (A: (rows, T / vec), B: (T / vec, rows)); every count is a multiple of vec here."""
+    per_token = codes if which == "a" else codes.T
+    bounds = np.concatenate([[0], np.asarray(offsets) // vec])
+    raws = [per_token[:, bounds[e]:bounds[e + 1]] for e in range(len(offsets))]
+    sf = assemble_blocked(raws, per_token.shape[0])
+    return sf, sf.shape
+
+
 @pytest.mark.parametrize("ml,dtype", [(ml_dtypes.float8_e4m3fn, DType.FLOAT8_E4M3FN),
                                       (ml_dtypes.float8_e5m2, DType.FLOAT8_E5M2)])
 @pytest.mark.parametrize("order", ["tensor2d", "tensor_ragged"])
@@ -196,8 +207,8 @@ def test_mxfp8_against_dequantized_loop(rng, ml, dtype, order):
     sfb_codes, sfb_vals = _e8m0_codes(rng, (tokens // vec, inter))
     a = layout_a(a_codes, counts, "k", order, dtype)
     b = layout_b(b_codes, counts, "k", order, dtype)
-    sfa = _cpu(sfa_codes, sfa_codes.shape, None, DType.FLOAT8_E8M0FNU)
-    sfb = _cpu(sfb_codes, sfb_codes.shape, None, DType.FLOAT8_E8M0FNU)
+    sfa = _cpu(*_blocked(sfa_codes, offsets, vec, "a"), None, DType.FLOAT8_E8M0FNU)
+    sfb = _cpu(*_blocked(sfb_codes, offsets, vec, "b"), None, DType.FLOAT8_E8M0FNU)
     out = poisoned((3, hidden, inter), "float32")
     gwgrad.grouped_gemm_wgrad(a.desc, b.desc, sfa, sfb, offsets, wgrad_tensor=out,
                               sf_vec_size=vec, input_order=order)
@@ -222,16 +233,17 @@ def test_nvfp4_with_global_scales_against_dequantized_loop(rng):
     b = _cpu(b_bytes_t, (tokens // 2, inter), (1, tokens // 2), DType.FLOAT4_E2M1FN_X2)
     sfa_codes, sfa_vals = _fp8_codes(rng, (hidden, tokens // vec), ml_dtypes.float8_e4m3fn)
     sfb_codes, sfb_vals = _fp8_codes(rng, (tokens // vec, inter), ml_dtypes.float8_e4m3fn)
-    sfa = _cpu(sfa_codes, sfa_codes.shape, None, DType.FLOAT8_E4M3FN)
-    sfb = _cpu(sfb_codes, sfb_codes.shape, None, DType.FLOAT8_E4M3FN)
-    gsa = np.array([rng.uniform(0.5, 2)], dtype=np.float32)
-    gsb = np.array([rng.uniform(0.5, 2)], dtype=np.float32)
+    sfa = _cpu(*_blocked(sfa_codes, offsets, vec, "a"), None, DType.FLOAT8_E4M3FN)
+    sfb = _cpu(*_blocked(sfb_codes, offsets, vec, "b"), None, DType.FLOAT8_E4M3FN)
+    gsa = rng.uniform(0.5, 2, 2).astype(np.float32)  # one global scale per expert
+    gsb = rng.uniform(0.5, 2, 2).astype(np.float32)
     out = poisoned((2, hidden, inter), "float32")
     gwgrad.grouped_gemm_wgrad(a, b, sfa, sfb, offsets, wgrad_tensor=out, global_scale_a=gsa,
                               global_scale_b=gsb, sf_vec_size=vec, input_order="tensor2d")
     a_deq = table[a_nib] * np.repeat(sfa_vals, vec, axis=1)
     b_deq = table[b_nib] * np.repeat(sfb_vals, vec, axis=0)
-    want = loop_reference(a_deq, b_deq, offsets) * float(gsa[0]) * float(gsb[0])
+    alpha = gsa.astype(np.float64) * gsb.astype(np.float64)
+    want = loop_reference(a_deq, b_deq, offsets) * alpha[:, None, None]
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
 
 
@@ -241,10 +253,11 @@ def test_block_scaled_scale_shape_is_checked(rng):
     b_codes, _ = _fp8_codes(rng, (256, 32), ml_dtypes.float8_e4m3fn)
     a = layout_a(a_codes, counts, "k", "tensor2d", DType.FLOAT8_E4M3FN)
     b = layout_b(b_codes, counts, "k", "tensor2d", DType.FLOAT8_E4M3FN)
-    sfa_codes, _ = _e8m0_codes(rng, (32, 4))  # should be (32, 256 / 32 = 8)
-    sfb_codes, _ = _e8m0_codes(rng, (8, 32))
+    sfa_codes, _ = _e8m0_codes(rng, (32, 8))  # the old logical layout: (hidden, 256 / 32)
+    sfb_codes, _ = _e8m0_codes(rng, (128, 8))
     sfa = _cpu(sfa_codes, sfa_codes.shape, None, DType.FLOAT8_E8M0FNU)
     sfb = _cpu(sfb_codes, sfb_codes.shape, None, DType.FLOAT8_E8M0FNU)
-    with pytest.raises(ValueError, match=r"^sfa_tensor: expected shape \(32, 8\)"):
+    with pytest.raises(ValueError, match=r"^sfa_tensor: expected shape \(round_up\(hidden, "
+                                         r"128\), C\) = \(128, C\)"):
         gwgrad.grouped_gemm_wgrad(a.desc, b.desc, sfa, sfb, counts_to_offsets(counts),
                                   sf_vec_size=32, wgrad_dtype="float32")

@@ -36,8 +36,10 @@ def base(device="cpu", **changes):
 
 
 def scaled(dtype=DType.FLOAT8_E4M3FN, sf=DType.FLOAT8_E8M0FNU, vec=32, **changes):
+    # Blocked scales (gwgrad/scales.py): (round_up(rows, 128), C), C = round_up(T / vec, 4).
+    cols = -(-T // vec // 4) * 4
     kw = base(a=d((H, T), (T, 1), dtype), b=d((T, N), (1, T), dtype),
-              sfa=d((H, T // vec), None, sf), sfb=d((T // vec, N), None, sf), sf_vec_size=vec)
+              sfa=d((128, cols), None, sf), sfb=d((128, cols), None, sf), sf_vec_size=vec)
     kw.update(changes)
     return kw
 
@@ -169,12 +171,16 @@ BLOCK_SCALED_CASES = {
     "sfb dtype differs": ("sfb_tensor", dict(sfb=d((8, N), None, DType.FLOAT8_E4M3FN))),
     "sf_vec_size 64": ("sf_vec_size", dict(sf_vec_size=64)),
     "fp8 with vec 16": ("sf_vec_size", dict(sf_vec_size=16)),
-    "one global scale": ("global_scale_b", dict(global_scale_a=d((1,), None, DType.FLOAT32))),
-    "global scale dtype": ("global_scale_a", dict(global_scale_a=d((1,), None, DType.FLOAT16),
-                                                  global_scale_b=d((1,), None, DType.FLOAT32))),
-    "global scale size": ("global_scale_b", dict(global_scale_a=d((1,), None, DType.FLOAT32),
-                                                 global_scale_b=d((2,), None, DType.FLOAT32))),
-    "sfa misaligned": ("sfa_tensor", dict(sfa=d((H, 8), None, DType.FLOAT8_E8M0FNU,
+    "one global scale": ("global_scale_b", dict(global_scale_a=d((E,), None, DType.FLOAT32))),
+    "global scale dtype": ("global_scale_a", dict(global_scale_a=d((E,), None, DType.FLOAT16),
+                                                  global_scale_b=d((E,), None, DType.FLOAT32))),
+    "global scale size": ("global_scale_b", dict(global_scale_a=d((E,), None, DType.FLOAT32),
+                                                 global_scale_b=d((E + 1,), None, DType.FLOAT32))),
+    "one-element global scales": ("global_scale_a", dict(
+        global_scale_a=d((1,), None, DType.FLOAT32), global_scale_b=d((1,), None, DType.FLOAT32))),
+    "global scale strided": ("global_scale_a", dict(
+        global_scale_a=d((E,), (2,), DType.FLOAT32), global_scale_b=d((E,), None, DType.FLOAT32))),
+    "sfa misaligned": ("sfa_tensor", dict(sfa=d((128, 8), None, DType.FLOAT8_E8M0FNU,
                                                 ptr=BASE_PTR + 1))),
     "fp8 hidden granule": ("a_tensor", dict(a=d((H + 8, T), (T, 1), DType.FLOAT8_E4M3FN),
                                             wgrad=d((E, H + 8, N)))),
@@ -192,10 +198,13 @@ def test_block_scaled_valid_and_its_dtype_rules():
     assert spec.is_block_scaled and spec.sf_dtype == DType.FLOAT8_E8M0FNU
     fp4 = DType.FLOAT4_E2M1FN_X2
     nvfp4 = scaled(a=d((H, T // 2), (T // 2, 1), fp4), b=d((T // 2, N), (1, T // 2), fp4),
-                   sfa=d((H, T // 16), None, DType.FLOAT8_E4M3FN),
-                   sfb=d((T // 16, N), None, DType.FLOAT8_E4M3FN), sf_vec_size=16)
+                   sfa=d((128, T // 16), None, DType.FLOAT8_E4M3FN),
+                   sfb=d((128, T // 16), None, DType.FLOAT8_E4M3FN), sf_vec_size=16,
+                   global_scale_a=d((E,), None, DType.FLOAT32),
+                   global_scale_b=d((E,), None, DType.FLOAT32))
     spec = build_spec(**nvfp4)
     assert (spec.hidden, spec.num_experts) == (H, E)
+    assert spec.scale_recipe == "blocked" and spec.has_global_scale
     raises(ValueError, "sf_vec_size", **dict(nvfp4, sf_vec_size=32))  # E4M3 scales need 16
     raises(ValueError, "a_tensor", **dict(nvfp4, a=d((H // 2, T), (1, H // 2), fp4)))  # M-major FP4
 
@@ -208,7 +217,7 @@ def test_unsupported_combinations_name_the_argument():
     assert token_count_multiple(spec) == 8
     assert token_count_multiple(dataclasses.replace(spec, input_order="tensor2d")) == 8
     assert token_count_multiple(dataclasses.replace(spec, a_major="m")) == 1
-    assert token_count_multiple(build_spec(**scaled())) == 256
+    assert token_count_multiple(build_spec(**scaled())) == 32
 
 
 # --- offsets and pointer values -----------------------------------------------------------------
@@ -234,8 +243,9 @@ def test_offsets_count_multiple_ragged_k_major_and_block_scaled():
         check_offsets_values(np.array([8, 20, 24, 256]), 256, ragged)
     bs = build_spec(**scaled())
     check_offsets_values(np.array([0, 256, 256, 256]), 256, bs)
-    with pytest.raises(ValueError, match=r"^offsets_tensor: .*multiple of 256"):
-        check_offsets_values(np.array([128, 256, 256, 256]), 256, bs)
+    check_offsets_values(np.array([32, 96, 96, 256]), 256, bs)  # multiples of 32, not 128
+    with pytest.raises(ValueError, match=r"^offsets_tensor: .*multiple of 32"):
+        check_offsets_values(np.array([16, 256, 256, 256]), 256, bs)
     check_offsets_values(np.array([1, 3, 3, 256]), 256, spec_for())  # BF16: any count
 
 
@@ -395,12 +405,12 @@ def test_arch_from_capability_and_override(monkeypatch, capability, arch):
         backends_mod._arch_of_device.cache_clear()
 
 
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("arch", ["sm_100a"])  # SM90 has its FP8 backend (backends/fp8_sm90.py)
 def test_block_scaled_has_no_gpu_kernel_yet(arch):
     scaled_spec = build_spec(**dict(scaled(), a=d((H, T), (T, 1), DType.FLOAT8_E4M3FN, device="cuda"),
                                     b=d((T, N), (1, T), DType.FLOAT8_E4M3FN, device="cuda"),
-                                    sfa=d((H, 8), None, DType.FLOAT8_E8M0FNU, device="cuda"),
-                                    sfb=d((8, N), None, DType.FLOAT8_E8M0FNU, device="cuda"),
+                                    sfa=d((128, 8), None, DType.FLOAT8_E8M0FNU, device="cuda"),
+                                    sfb=d((128, 8), None, DType.FLOAT8_E8M0FNU, device="cuda"),
                                     offsets=d((E,), None, DType.INT32, device="cuda"),
                                     wgrad=d((E, H, N), device="cuda"), arch=arch))
     with pytest.raises(RuntimeError, match=f"no block-scaled kernel for {arch} yet"):

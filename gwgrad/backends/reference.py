@@ -18,75 +18,45 @@ Where expert e's operand block lives:
 * ``tensor_ragged``, operand whose unit-stride axis is M (A) or N (B): the same memory as
   ``tensor2d`` with the canonical strides ``(1, hidden)`` / ``(intermediate, 1)``.
 
-Block-scaled inputs (the reference's logical scale layout; the GPU kernels document their
-own): packed FP4 holds two values per byte along K, low nibble first. ``sfa_tensor`` is
-``(hidden, ceil(tokens_sum / sf_vec_size))`` and ``sfb_tensor`` is
-``(ceil(tokens_sum / sf_vec_size), intermediate)``, any strides; the scale of A[m, k] is
-``sfa[m, k // sf_vec_size]`` with k the global token index (expert e's K blocks start at
-``begin / sf_vec_size``; ragged inputs use the same scale tensors). Global scales, when
-given, multiply the product: ``W[e] = (A * sfa) @ (B * sfb) * global_scale_a * global_scale_b``.
+Block-scaled inputs (every recipe and format of gwgrad/scales.py, in the layouts the GPU
+kernels read; decoding tables in gwgrad/formats.py): packed FP4 holds two values per byte along
+K, low nibble first; A and B may be different FP8 types with FP32 scales. Each operand is
+dequantized with the scales of the expert's own tokens:
+
+* ``blocked``: token ``begin + t`` of expert e takes scale column ``t // sf_vec_size`` of the
+  expert's blocked chunk (``scales.read_blocked``: the chunk starts at byte ``Mpad * S_e``,
+  ``S_e`` the prefix sum of ``round_up(ceil(count_i / sf_vec_size), 4)``);
+* ``per_expert_channel``: ``sfa[e, m]`` and ``sfb[e, n]``;
+* ``block_1x128``: row ``S_e + t // 128`` of ``sfa`` / ``sfb``, ``S_e`` the prefix sum of
+  ``ceil(count_i / 128)``.
+
+Then ``W[e] = alpha_e * deq(A_e) @ deq(B_e)`` with ``alpha_e = global_scale_a[e] *
+global_scale_b[e]`` (1 without global scales), in float64 and rounded once to the output
+dtype like BF16 inputs. The offsets are checked with the scale tensors' capacity: experts
+whose scales do not fit raise ``ArgumentError`` naming ``sfa_tensor`` (the device check's
+``SCALES_TOO_SMALL``). A NaN scale (E8M0 0xFF, E4M3 0x7F) makes its block NaN.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
+from .. import scales
 from ..dtypes import DType
 from ..errors import ArgumentError
+from ..formats import FP4_VALUES as _FP4_VALUES, fp8_table as _fp8_table, unpack_fp4  # noqa: F401
 from ..kernels.tiling import sm90_problem, sm100_problem
 from ..hostview import RAW_NUMPY, host_view, strided_view
 from ..offsets import check_offsets_values, check_ptr_values
 from ..spec import StaticSpec
 from ..tensors import TensorDesc
+from ..validation import scale_capacity
 from .base import Backend, LaunchArgs
 
 # Past this many multiply-adds per expert, float32 matmul keeps CPU tests fast enough.
 _FLOAT64_LIMIT = 1 << 27
-
-
-@functools.lru_cache(maxsize=None)
-def _fp8_table(dtype: DType) -> np.ndarray:
-    """float64 value of each of the 256 codes of an 8-bit float type."""
-    codes = np.arange(256)
-    if dtype == DType.FLOAT8_E8M0FNU:
-        table = np.ldexp(1.0, codes - 127)
-        table[255] = np.nan
-        return table
-    if dtype == DType.FLOAT8_E4M3FN:
-        mant_bits, bias = 3, 7
-    else:  # FLOAT8_E5M2
-        mant_bits, bias = 2, 15
-    sign = np.where(codes & 0x80, -1.0, 1.0)
-    exp = (codes & 0x7F) >> mant_bits
-    mant = codes & ((1 << mant_bits) - 1)
-    scale = float(1 << mant_bits)
-    value = np.where(exp == 0, np.ldexp(mant / scale, 1 - bias),
-                     np.ldexp(1.0 + mant / scale, exp - bias))
-    value = sign * value
-    top = (1 << (7 - mant_bits)) - 1
-    if dtype == DType.FLOAT8_E4M3FN:  # no infinities; only S.1111.111 is NaN
-        value[(exp == top) & (mant == 7)] = np.nan
-    else:
-        value[(exp == top) & (mant == 0)] = sign[(exp == top) & (mant == 0)] * np.inf
-        value[(exp == top) & (mant != 0)] = np.nan
-    return value
-
-
-_FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-
-
-def unpack_fp4(raw: np.ndarray, axis: int) -> np.ndarray:
-    """Values of packed E2M1 bytes, doubling ``axis``: the low nibble comes first."""
-    low = _FP4_VALUES[raw & 0x0F]
-    high = _FP4_VALUES[raw >> 4]
-    out = np.stack([low, high], axis=axis + 1)
-    shape = list(raw.shape)
-    shape[axis] *= 2
-    return out.reshape(shape)
 
 
 def decode(raw: np.ndarray, dtype: DType) -> np.ndarray:
@@ -145,14 +115,22 @@ class ReferenceBackend(Backend):
         offsets = host_view(args.offsets).astype(np.int64)
         # The GPU kernels stay in bounds whatever the offsets hold; on the host a bad offset
         # would read or write outside the arrays, so the reference always checks them.
-        check_offsets_values(offsets, args.tokens_sum, spec)
+        capacity = None
         if spec.is_block_scaled:
             _check_scales(spec, args)
+            if scales.column_rule(spec.scale_recipe, spec.sf_vec_size) is not None:
+                capacity = scale_capacity(spec, args.sfa)
+        check_offsets_values(offsets, args.tokens_sum, spec, capacity=capacity)
         outputs = _output_views(spec, args)
-        scale = 1.0
+        counts = np.diff(offsets, prepend=0)
+        scale_a = scale_b = None
+        if spec.is_block_scaled:
+            scale_a = _ScaleReader(spec, args.sfa, "a", counts)
+            scale_b = _ScaleReader(spec, args.sfb, "b", counts)
+        alpha = np.ones(spec.num_experts)
         if spec.has_global_scale:
-            scale = float(host_view(args.global_scale_a).reshape(-1)[0]) * \
-                float(host_view(args.global_scale_b).reshape(-1)[0])
+            alpha = (host_view(args.global_scale_a).reshape(-1).astype(np.float64) *
+                     host_view(args.global_scale_b).reshape(-1).astype(np.float64))
 
         for e in range(spec.num_experts):
             begin = int(offsets[e - 1]) if e else 0
@@ -165,14 +143,14 @@ class ReferenceBackend(Backend):
             a = _operand_block(spec, args.a, "a", begin, end)
             b = _operand_block(spec, args.b, "b", begin, end)
             if spec.is_block_scaled:
-                a = a * _scale_block(spec, args.sfa, "a", begin, end)
-                b = b * _scale_block(spec, args.sfb, "b", begin, end)
+                a = a * scale_a.expert(e)
+                b = b * scale_b.expert(e)
             if spec.hidden * spec.intermediate * (end - begin) > _FLOAT64_LIMIT:
                 product = (a.astype(np.float32) @ b.astype(np.float32)).astype(np.float64)
             else:
                 product = a @ b
-            if scale != 1.0:
-                product = product * scale
+            if alpha[e] != 1.0:
+                product = product * alpha[e]
             if spec.accumulate:
                 product = decode(out, spec.wgrad_dtype).astype(np.float32).astype(np.float64) + product
             out[...] = encode(product, spec.wgrad_dtype)
@@ -218,17 +196,45 @@ def _operand_block(spec: StaticSpec, desc: TensorDesc, which: str, begin: int, e
 
 
 def _check_scales(spec: StaticSpec, args: LaunchArgs) -> None:
-    blocks = -(-args.tokens_sum // spec.sf_vec_size)
-    for desc, name, shape in ((args.sfa, "sfa_tensor", (spec.hidden, blocks)),
-                              (args.sfb, "sfb_tensor", (blocks, spec.intermediate))):
-        if desc is None or desc.shape != shape:
-            got = "None" if desc is None else f"shape {desc.shape}"
-            raise ArgumentError(name, f"expected shape {shape} (the reference backend's logical "
-                                      f"scale layout, sf_vec_size = {spec.sf_vec_size}), got {got}")
+    for desc, name in ((args.sfa, "sfa_tensor"), (args.sfb, "sfb_tensor")):
+        if desc is None:
+            raise ArgumentError(name, "expected a scale tensor for block-scaled inputs, got None")
+    if spec.has_global_scale:
+        for desc, name in ((args.global_scale_a, "global_scale_a"),
+                           (args.global_scale_b, "global_scale_b")):
+            if desc is None or desc.numel != spec.num_experts:
+                got = "None" if desc is None else f"shape {desc.shape}"
+                raise ArgumentError(name, f"expected a float32 ({spec.num_experts},) tensor, "
+                                          f"got {got}")
 
 
-def _scale_block(spec: StaticSpec, desc: Optional[TensorDesc], which: str, begin: int,
-                 end: int) -> np.ndarray:
-    scales = decode(host_view(desc), desc.dtype)
-    k = np.arange(begin, end) // spec.sf_vec_size
-    return scales[:, k] if which == "a" else scales[k, :]
+class _ScaleReader:
+    """One operand's float64 scales per expert, broadcast to its block: (hidden, count) for A,
+    (count, intermediate) for B."""
+
+    def __init__(self, spec: StaticSpec, desc: TensorDesc, which: str, counts: np.ndarray):
+        self.which = which
+        self.counts = [int(c) for c in counts]
+        self.width = spec.hidden if which == "a" else spec.intermediate
+        self.recipe = spec.scale_recipe or scales.BLOCKED
+        raw = host_view(desc)
+        if self.recipe == scales.BLOCKED:
+            self.vec = spec.sf_vec_size
+            codes = scales.read_blocked(raw, self.counts, self.vec, self.width)
+            self.per_expert = [decode(c, desc.dtype) for c in codes]  # (width, blocks)
+        elif self.recipe == scales.PER_EXPERT_CHANNEL:
+            values = decode(np.ascontiguousarray(raw), desc.dtype)
+            self.per_expert = list(values.reshape(spec.num_experts, self.width)[:, :, None])
+            self.vec = None
+        else:  # block_1x128: rows S_e .. S_e + ceil(count_e / 128) - 1
+            values = decode(np.ascontiguousarray(raw), desc.dtype)
+            starts = scales.column_starts(self.counts, (scales.BLOCK_TOKENS, 1))
+            self.per_expert = [values[starts[e]:starts[e + 1]].T
+                               for e in range(len(self.counts))]
+            self.vec = scales.BLOCK_TOKENS
+
+    def expert(self, e: int) -> np.ndarray:
+        s = self.per_expert[e]
+        if self.vec is not None:
+            s = np.repeat(s, self.vec, axis=1)[:, :self.counts[e]]
+        return s if self.which == "a" else s.T

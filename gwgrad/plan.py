@@ -28,7 +28,7 @@ from .dtypes import DType
 from .errors import ArgumentError
 from .spec import StaticSpec
 from .tensors import TensorDesc
-from .validation import build_spec, check_call, operand_dims
+from .validation import build_spec, check_call, operand_dims, scale_capacity
 
 __all__ = ["CompiledOperator", "LaunchPlan", "compile_spec", "plan_for", "plan_for_spec",
            "cache_info", "clear_cache"]
@@ -140,6 +140,11 @@ class LaunchPlan:
                                a.device_type, a.device_id)
         self._templates = tuple(_template(d) for d in (a, b, offsets, wgrad, wgrad_ptrs))
         self._scale_templates = tuple(_template(d) for d in scales) if any(scales) else ()
+        # Block-scaled kernels take the scale tensors' capacity (gwgrad/scales.py) after the
+        # four scale addresses: fixed by the scale tensors' shapes, so by this signature.
+        self._scale_tail = ()
+        if spec.is_block_scaled and self._scale_templates:
+            self._scale_tail = (scale_capacity(spec, self._scale_templates[0]),)
         self._kernel = None  # the raw-address launcher of a GPU kernel
         self._status = 0
         if self.is_cuda:
@@ -169,11 +174,15 @@ class LaunchPlan:
             status.raise_pending()
         if validate_offsets:
             self._check_on_host(offsets, out, stream)
+        if self._scale_tail and len(scales) != 4:
+            raise ArgumentError("sfa_tensor", "expected scales=(sfa, sfb, global_scale_a, "
+                                f"global_scale_b) addresses (0: no global scale), got {scales!r}")
         kernel = self._kernel
         if kernel is None or (self.workspace_bytes and not workspace):
             self._launch_slow(a, b, offsets, out, scales, stream, workspace)
             return
-        kernel(stream, a, b, offsets, out, workspace, self._status, self.tokens_sum, *scales)
+        kernel(stream, a, b, offsets, out, workspace, self._status, self.tokens_sum, *scales,
+               *self._scale_tail)
 
     def _launch_slow(self, a, b, offsets, out, scales, stream, workspace) -> None:
         """A backend without a raw-address launcher, or a caller that brought no workspace."""
@@ -185,7 +194,7 @@ class LaunchPlan:
                 self._launch_args(a, b, offsets, out, scales, stream, workspace)
             else:
                 self._kernel(stream, a, b, offsets, out, workspace, self._status,
-                             self.tokens_sum, *scales)
+                             self.tokens_sum, *scales, *self._scale_tail)
         finally:
             if captured:
                 with cuda.on_device(self.device_id):
@@ -224,7 +233,8 @@ class LaunchPlan:
     def _check_on_host(self, offsets: int, out: int, stream: int) -> None:
         args = self._descs(0, 0, offsets, out)
         offsets_rules.check_values(self.spec, args.offsets, self.tokens_sum, args.wgrad_ptrs,
-                                   stream)
+                                   stream, capacity=self._scale_tail[0] if self._scale_tail
+                                   else None)
 
     def _launch_args(self, a: int, b: int, offsets: int, out: int, scales: Tuple[int, ...],
                      stream: int, workspace: int) -> None:
@@ -255,7 +265,8 @@ def plan_for(a: TensorDesc, b: TensorDesc, offsets: TensorDesc, *,
              acc_dtype: Any = DType.FLOAT32, sf_vec_size: int = 16,
              sfa: Optional[TensorDesc] = None, sfb: Optional[TensorDesc] = None,
              global_scale_a: Optional[TensorDesc] = None,
-             global_scale_b: Optional[TensorDesc] = None) -> LaunchPlan:
+             global_scale_b: Optional[TensorDesc] = None,
+             scale_recipe: Optional[str] = None) -> LaunchPlan:
     """The plan for a call described by ``TensorDesc``s (output storage may be absent only when
     the caller allocates it before launching: pass a descriptor of the layout it will have).
 
@@ -267,7 +278,7 @@ def plan_for(a: TensorDesc, b: TensorDesc, offsets: TensorDesc, *,
            interop.signature(wgrad_ptrs), output_mode, hashable(wgrad_dtype), accumulate_on_output,
            input_order, hashable(mma_tiler_mn), hashable(cluster_shape_mn), acc_dtype,
            sf_vec_size, interop.signature(sfa), interop.signature(sfb), interop.signature(global_scale_a),
-           interop.signature(global_scale_b), a.framework)
+           interop.signature(global_scale_b), a.framework, scale_recipe)
     try:
         plan = _plans.get(key)
     except TypeError:  # an unhashable argument: the full check names it
@@ -279,7 +290,8 @@ def plan_for(a: TensorDesc, b: TensorDesc, offsets: TensorDesc, *,
         global_scale_b=global_scale_b, output_mode=output_mode, wgrad=wgrad,
         wgrad_ptrs=wgrad_ptrs, wgrad_dtype=wgrad_dtype, acc_dtype=acc_dtype,
         mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn, sf_vec_size=sf_vec_size,
-        accumulate=accumulate_on_output, input_order=input_order, arch=backends.detect_arch)
+        accumulate=accumulate_on_output, input_order=input_order, arch=backends.detect_arch,
+        scale_recipe=scale_recipe)
     plan = LaunchPlan(compile_spec(request), a, b, offsets, wgrad, wgrad_ptrs,
                       (sfa, sfb, global_scale_a, global_scale_b))
     if key is not None:

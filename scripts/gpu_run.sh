@@ -8,7 +8,8 @@
 # Usage: bash scripts/gpu_run.sh [steps...]
 #   default steps, in this order: tests overhead coldstart bench
 #   also: examples, unrounded (bench with counts not rounded to 256), adapters (kernel time
-#   per adapter); these are not in the default run's budget.
+#   per adapter), fp8 (bench/fp8.py: the FP8 recipes); these are not in the default run's
+#   budget.
 #
 # Files under $OUT (default /tmp/gwgrad-out; at most 6, one folder): run.log (every step's
 # full output), overhead.json, coldstart.json, bench.json, bench.png, isolated.json
@@ -102,7 +103,15 @@ for s in $steps; do
       capture "$PY" -m gwgrad.bench.adapters --dist uniform --skip-overhead --step-timeout 120 \
         --json "$OUT/bench_adapters.json"; tail -20 "$OUT/step.txt"
       done_step adapters $rc ;;
-    *) say "unknown step: $s (steps: overhead coldstart bench tests examples unrounded adapters)" ;;
+    fp8)
+      # FP8 recipes vs torch._scaled_grouped_mm, dense FP8 and gwgrad BF16 (bench/fp8.py).
+      step fp8 300 || continue
+      capture "$PY" -m gwgrad.bench.fp8 --tiles "${GWGRAD_FP8_TILES-128x192,64x128}" \
+        --rows "${GWGRAD_FP8_ROWS-}" --rounds ${GWGRAD_BENCH_ROUNDS:-10} \
+        --time-budget $((T > 90 ? T - 60 : T / 2)) --json "$OUT/bench_fp8.json"
+      tail -20 "$OUT/step.txt"
+      done_step fp8 $rc ;;
+    *) say "unknown step: $s (steps: overhead coldstart bench tests examples unrounded adapters fp8)" ;;
   esac
 done
 rm -f "$OUT/step.txt" "$OUT"/*.tmp

@@ -22,6 +22,21 @@ def spec(arch, *, hidden=512, intermediate=768, experts=8, a_major="m", b_major=
     )
 
 
+FP8 = {"e4m3": DType.FLOAT8_E4M3FN, "e5m2": DType.FLOAT8_E5M2}
+RECIPE_SCALES = {"blocked": (DType.FLOAT8_E8M0FNU, 32), "block_1x128": (DType.FLOAT32, 128),
+                 "per_expert_channel": (DType.FLOAT32, 0)}
+
+
+def fp8_spec(arch, recipe, *, a="e4m3", b="e4m3", global_scales=False, **kw):
+    """A block-scaled FP8 spec (K-major operands unless given) of a scale recipe."""
+    kw.setdefault("a_major", "k")
+    kw.setdefault("b_major", "k")
+    sf, vec = RECIPE_SCALES[recipe]
+    return dataclasses.replace(spec(arch, **kw), a_dtype=FP8[a], b_dtype=FP8[b], sf_dtype=sf,
+                               sf_vec_size=vec, scale_recipe=recipe,
+                               has_global_scale=global_scales)
+
+
 def compile_ptx(s: StaticSpec) -> str:
     """Finalize the tiling with the backend's defaults, check support, compile, return PTX."""
     from gwgrad.backends import _cutedsl, finalize_spec

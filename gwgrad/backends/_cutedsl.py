@@ -26,11 +26,12 @@ _compile_lock = threading.Lock()
 compile_count = 0
 
 #: The compiled entry's run-time arguments (``GemmEntryPoints.__call__``) in order: (name,
-#: "ptr", element dtype, alignment in bytes), (name, "i32") or (name, "stream"). Dtype "ab":
-#: the operands'; "out": the dense output's, or int64 (the pointer array) in discrete mode.
+#: "ptr", element dtype, alignment in bytes), (name, "i32") or (name, "stream"). Dtype "a" /
+#: "b": the operands'; "out": the dense output's, or int64 (the pointer array) in discrete
+#: mode; "sf": the scale tensors' (uint8 for E8M0 / E4M3 bytes).
 ENTRY_SIGNATURE: Tuple[tuple, ...] = (
-    ("a", "ptr", "ab", 16),
-    ("b", "ptr", "ab", 16),
+    ("a", "ptr", "a", 16),
+    ("b", "ptr", "b", 16),
     ("offsets", "ptr", "int32", 4),
     ("out", "ptr", "out", 16),
     ("workspace", "ptr", "uint8", 128),
@@ -39,6 +40,24 @@ ENTRY_SIGNATURE: Tuple[tuple, ...] = (
     ("grid_size", "i32"),
     ("stream", "stream"),
 )
+#: Block-scaled kernels (``ScaledEntryPoints.__call__``): the scale rows go after tokens_sum
+#: (global scales 0 when absent; sf_capacity: gwgrad/scales.py).
+SCALED_ENTRY_SIGNATURE: Tuple[tuple, ...] = ENTRY_SIGNATURE[:7] + (
+    ("sfa", "ptr", "sf", 16),
+    ("sfb", "ptr", "sf", 16),
+    ("global_scale_a", "ptr", "float32", 4),
+    ("global_scale_b", "ptr", "float32", 4),
+    ("sf_capacity", "i32"),
+) + ENTRY_SIGNATURE[7:]
+
+
+def entry_signature(spec: StaticSpec) -> Tuple[tuple, ...]:
+    return SCALED_ENTRY_SIGNATURE if spec.is_block_scaled else ENTRY_SIGNATURE
+
+
+def entry_kinds(spec: StaticSpec) -> Tuple[str, ...]:
+    """The kinds of the entry's arguments, as gwgrad.kernel_cache takes them."""
+    return tuple(row[1] for row in entry_signature(spec))
 
 
 def problem_config(spec: StaticSpec, schedule: str, unit_tile_m: int = 0):
@@ -46,6 +65,7 @@ def problem_config(spec: StaticSpec, schedule: str, unit_tile_m: int = 0):
     when that differs from the MMA tile's (SM100 clusters; default: mma_tiler_mn[0])."""
     from ..kernels.common import ProblemConfig
 
+    mixed = spec.b_dtype != spec.a_dtype
     return ProblemConfig(
         hidden=spec.hidden,
         intermediate=spec.intermediate,
@@ -67,6 +87,10 @@ def problem_config(spec: StaticSpec, schedule: str, unit_tile_m: int = 0):
         group_m=spec.raster_group or 16,
         epi_tile_n=spec.epi_tile_n,
         count_multiple=token_count_multiple(spec),
+        b_dtype=spec.b_dtype.value if mixed else "",
+        scale_recipe=spec.scale_recipe or "",
+        sf_vec=spec.sf_vec_size if spec.is_block_scaled else 0,
+        has_global_scale=spec.has_global_scale,
     )
 
 
@@ -98,11 +122,13 @@ class CompiledGemm:
         self.workspace_bytes = int(kernel.info["workspace_bytes"])
 
     def launch(self, device: int, stream: int, a: int, b: int, offsets: int, out: int,
-               workspace: int, status: int, tokens_sum: int) -> None:
+               workspace: int, status: int, tokens_sum: int, *scales: int) -> None:
         """Launch on ``stream`` of ``device`` from raw addresses (``out``: the dense output or
-        the int64 pointer array; ``status``: gwgrad's status record, gwgrad/status.py)."""
+        the int64 pointer array; ``status``: gwgrad's status record, gwgrad/status.py;
+        ``scales``: block-scaled kernels' sfa, sfb, global_scale_a/b (0: absent) and
+        sf_capacity)."""
         self.kernel.launch(device, stream, a, b, offsets, out, workspace, status, tokens_sum,
-                           grid_size(self, device))
+                           *scales, grid_size(self, device))
 
     def launcher(self, device: int) -> Callable[..., None]:
         """``launch`` bound to ``device``, grid size computed once: a function ``(stream, a,
@@ -131,11 +157,14 @@ def _sample_arguments(spec: StaticSpec) -> list:
 
     dtypes = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
               "float32": cutlass.Float32, "int32": cutlass.Int32, "int64": cutlass.Int64,
-              "uint8": cutlass.Uint8}
-    named = {"ab": spec.a_dtype.value,
-             "out": spec.wgrad_dtype.value if spec.output_mode == "dense" else "int64"}
+              "uint8": cutlass.Uint8, "float8_e4m3fn": cutlass.Float8E4M3FN,
+              "float8_e5m2": cutlass.Float8E5M2}
+    sf = spec.sf_dtype.value if spec.sf_dtype is not None else "uint8"
+    named = {"a": spec.a_dtype.value, "b": spec.b_dtype.value,
+             "out": spec.wgrad_dtype.value if spec.output_mode == "dense" else "int64",
+             "sf": sf if sf == "float32" else "uint8"}
     samples = []
-    for name, kind, *rest in ENTRY_SIGNATURE:
+    for name, kind, *rest in entry_signature(spec):
         if kind == "ptr":
             dtype, align = rest
             samples.append(cute.runtime.make_ptr(dtypes[named.get(dtype, dtype)], 0,
@@ -180,12 +209,9 @@ def compile_gemm(spec: StaticSpec, make_kernel: Callable[[], Any], key_parts: Tu
         return compile_kernel(kernel, spec, extra_options), info
 
     kernel = kernel_cache.load_or_compile(key_parts, spec.arch,
-                                          compile_options(spec, extra_options), _KINDS, build)
+                                          compile_options(spec, extra_options),
+                                          entry_kinds(spec), build)
     return CompiledGemm(kernel, spec)
-
-
-#: The kinds of ENTRY_SIGNATURE's arguments, as gwgrad.kernel_cache takes them.
-_KINDS = tuple(row[1] for row in ENTRY_SIGNATURE)
 
 
 class CuteDslBackend(Backend):
@@ -212,12 +238,16 @@ class CuteDslBackend(Backend):
     def check_support(self, spec: StaticSpec) -> None:
         """What every CuTe DSL kernel needs, its tiling rules, then its own predicate, which
         a kernel found in gwgrad.kernel_cache has passed already (no DSL import then)."""
-        check_bf16_spec(spec)
+        self.check_spec(spec)
         problem = self.tiling_problem(spec)
         if problem is None and not self.compiled_before(spec):
             problem = self.kernel_problem(spec)
         if problem is not None:
             raise ArgumentError(*problem)
+
+    def check_spec(self, spec: StaticSpec) -> None:
+        """The kernel family's rules on dtypes and dimensions (BF16's by default)."""
+        check_bf16_spec(spec)
 
     def workspace_bytes(self, spec: StaticSpec) -> int:
         return self.config(spec).workspace_bytes
@@ -233,7 +263,7 @@ class CuteDslBackend(Backend):
         """True when gwgrad.kernel_cache holds this spec's kernel (so it compiles: the
         kernel-level predicate, which imports the DSL, need not run again)."""
         return kernel_cache.lookup(self.cache_key(spec), spec.arch, compile_options(spec),
-                                   _KINDS) is not None
+                                   entry_kinds(spec)) is not None
 
     def compile(self, spec: StaticSpec) -> CompiledGemm:
         self.check_support(spec)  # check_support passing is what compile relies on
@@ -242,8 +272,17 @@ class CuteDslBackend(Backend):
     def launch(self, compiled: CompiledGemm, spec: StaticSpec, args: LaunchArgs) -> None:
         device = args.a.device_id
         out = args.wgrad.ptr if spec.output_mode == "dense" else args.wgrad_ptrs.ptr
+        scales = ()
+        if spec.is_block_scaled:
+            from ..validation import scale_capacity
+
+            scales = (args.sfa.ptr, args.sfb.ptr,
+                      args.global_scale_a.ptr if args.global_scale_a is not None else 0,
+                      args.global_scale_b.ptr if args.global_scale_b is not None else 0,
+                      scale_capacity(spec, args.sfa))
         compiled.launch(device, args.stream, args.a.ptr, args.b.ptr, args.offsets.ptr, out,
-                        args.workspace, _status.status_address(device), args.tokens_sum)
+                        args.workspace, _status.status_address(device), args.tokens_sum,
+                        *scales)
 
     def launcher(self, compiled: CompiledGemm, spec: StaticSpec, device_id: int):
         return compiled.launcher(device_id)

@@ -67,7 +67,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.typing import AddressSpace
 from cutlass.cutlass_dsl import dsl_user_op
 
-from ..offsets import COUNT_NOT_MULTIPLE, LAST_NOT_TOKENS_SUM, NEGATIVE_COUNT
+from ..offsets import COUNT_NOT_MULTIPLE, LAST_NOT_TOKENS_SUM, NEGATIVE_COUNT, SCALES_TOO_SMALL
+from ..scales import column_rule
 
 DESC_BYTES = 128
 COUNTER_BYTES = 128  # the block holding the unit counter (byte 0) and the verdict (byte 4)
@@ -108,6 +109,19 @@ class ProblemConfig:
     # the one rule): with a K-major operand TMA needs 16-byte aligned rows. Others fail the
     # offsets check and are treated as empty (see module doc).
     count_multiple: int = 1
+    # Block-scaled inputs (gwgrad/scales.py): B's dtype when it differs from A's (FP8 mixes),
+    # the scale recipe ("" for BF16), tokens per scale (sf_vec_size) and global scales.
+    b_dtype: str = ""
+    scale_recipe: str = ""
+    sf_vec: int = 0
+    has_global_scale: bool = False
+
+    # -- scales ------------------------------------------------------------------------
+    @property
+    def sf_rule(self):
+        """(tokens per scale column, column padding) when experts find their scales by a
+        prefix sum of columns (the workspace's sf_base), else None."""
+        return column_rule(self.scale_recipe or None, self.sf_vec)
 
     # -- static tiling ------------------------------------------------------------------
     @property
@@ -154,8 +168,13 @@ class ProblemConfig:
         return COUNTER_BYTES + 8 * self.num_experts
 
     @property
+    def sf_base_offset(self) -> int:
+        return self.order_offset + 4 * self.num_experts
+
+    @property
     def desc_offset(self) -> int:
-        return ceil_div(self.order_offset + 4 * self.num_experts, DESC_BYTES) * DESC_BYTES
+        end = self.sf_base_offset + (4 * self.num_experts if self.sf_rule else 0)
+        return ceil_div(end, DESC_BYTES) * DESC_BYTES
 
     @property
     def workspace_bytes(self) -> int:
@@ -166,6 +185,10 @@ class ProblemConfig:
         return _CUTLASS_DTYPES[self.ab_dtype]
 
     @property
+    def cutlass_b_dtype(self):
+        return _CUTLASS_DTYPES[self.b_dtype or self.ab_dtype]
+
+    @property
     def cutlass_c_dtype(self):
         return _CUTLASS_DTYPES[self.c_dtype]
 
@@ -174,6 +197,8 @@ _CUTLASS_DTYPES = {
     "bfloat16": cutlass.BFloat16,
     "float16": cutlass.Float16,
     "float32": cutlass.Float32,
+    "float8_e4m3fn": cutlass.Float8E4M3FN,
+    "float8_e5m2": cutlass.Float8E5M2,
 }
 
 DESC_A, DESC_B, DESC_C = 0, 1, 2
@@ -260,6 +285,10 @@ class Workspace:
         self.order = cute.make_tensor(
             cute.recast_ptr(base + cfg.order_offset, dtype=Int32), cute.make_layout(e)
         )
+        # First scale column (blocked) or row (block_1x128) of every expert: a prefix sum.
+        self.sf_base = cute.make_tensor(
+            cute.recast_ptr(base + cfg.sf_base_offset, dtype=Int32), cute.make_layout(e)
+        )
 
     # Kernels carry a Workspace through dynamic loops: it is rebuilt from its base pointer.
     def __extract_mlir_values__(self):
@@ -331,13 +360,20 @@ def write_ranges_and_order(
     begin, end = sanitized_range(offsets, expert, tokens_sum, cfg.count_multiple)
     count = end - begin
     ahead = Int32(0)
+    columns_before = Int32(0)
     for j in range(lane, cfg.num_experts, 32):
         bj, ej = sanitized_range(offsets, j, tokens_sum, cfg.count_multiple)
         cj = ej - bj
         if cj > count or (cj == count and j < expert):
             ahead += 1
+        if cutlass.const_expr(cfg.sf_rule is not None):
+            columns_before += Int32(j < expert) * scale_columns(cfg, cj)
     rank = cute.arch.warp_redux_sync(ahead, "add")
     ranges, order, counter = ws.ranges, ws.order, ws.counter
+    if cutlass.const_expr(cfg.sf_rule is not None):
+        columns_before = cute.arch.warp_redux_sync(columns_before, "add")
+        if lane == 0:
+            ws.sf_base[expert] = columns_before
     if lane == 0:
         ranges[2 * expert] = begin
         ranges[2 * expert + 1] = end
@@ -348,9 +384,19 @@ def write_ranges_and_order(
 
 
 @cute.jit
+def scale_columns(cfg: cutlass.Constexpr, count: Int32) -> Int32:
+    """C_e of an expert with `count` (>= 0) tokens: its scale columns (gwgrad/scales.py)."""
+    tokens, pad = cfg.sf_rule
+    columns = (count + (tokens - 1)) // tokens
+    if cutlass.const_expr(pad > 1):
+        columns = (columns + (pad - 1)) // pad * pad
+    return columns
+
+
+@cute.jit
 def check_offsets(
     cfg: cutlass.Constexpr, offsets: cute.Tensor, tokens_sum: Int32, ws: Workspace,
-    status: cute.Tensor,
+    status: cute.Tensor, sf_capacity: Int32,
 ):
     """The offsets check of block 0 of the prep kernel (one warp): writes the verdict and, when
     the offsets are invalid, claims and fills the status record (see module doc)."""
@@ -384,6 +430,25 @@ def check_offsets(
             + not_multiple * COUNT_NOT_MULTIPLE)
     expert = (negative * first_negative + last_wrong * (e - 1)
               + not_multiple * first_not_multiple)
+    value = offsets[expert]
+    prev = offsets[cutlass.max(expert - 1, 0)] * Int32(expert > 0)
+    if cutlass.const_expr(cfg.sf_rule is not None):
+        # Valid counts so far: do the experts' scale columns fit the scale tensors? The
+        # first expert whose chunk ends past `sf_capacity` (a sequential walk: E is small).
+        cumulative = Int32(0)
+        first_over = Int32(e)
+        cumulative_at = Int32(0)
+        for j in range(e):
+            before = offsets[cutlass.max(j - 1, 0)] * Int32(j > 0)
+            cumulative += scale_columns(cfg, cutlass.max(offsets[j] - before, 0))
+            over = Int32(cumulative > sf_capacity) * Int32(first_over == e)
+            first_over += over * (j - first_over)
+            cumulative_at += over * (cumulative - cumulative_at)
+        too_small = Int32(first_over < e) * Int32(code == 0)
+        code += too_small * SCALES_TOO_SMALL
+        expert += too_small * first_over
+        value += too_small * (cumulative_at - value)
+        prev += too_small * (sf_capacity - prev)
     if lane == 0:
         ws.verdict[0] = Int32(code == 0)
         if code != 0:
@@ -392,9 +457,8 @@ def check_offsets(
                 status.iterator + STATUS_CODE, cmp=Int32(0), val=code, scope="sys"
             )
             if old == 0:
-                prev = offsets[cutlass.max(expert - 1, 0)] * Int32(expert > 0)
                 status[STATUS_EXPERT] = expert
-                status[STATUS_VALUE] = offsets[expert]
+                status[STATUS_VALUE] = value
                 status[STATUS_PREV] = prev
                 status[STATUS_TOKENS_SUM] = tokens_sum
                 status[6] = Int32(0)
@@ -526,6 +590,36 @@ class GemmEntryPoints:
         )
 
 
+class ScaledEntryPoints:
+    """The entry of block-scaled kernels: BF16's arguments plus the scale tensors' addresses
+    (`sfa`, `sfb`; per-expert FP32 `global_scale_a/b`, 0 when absent) and `sf_capacity` (the
+    scale tensors' columns or rows: gwgrad/scales.py), before the grid size. Kernels
+    implement `launch(..., scales=(sfa, sfb, gsa, gsb, sf_capacity))`."""
+
+    @cute.jit
+    def __call__(
+        self,
+        a_ptr: cute.Pointer,
+        b_ptr: cute.Pointer,
+        offsets_ptr: cute.Pointer,
+        c_ptr: cute.Pointer,
+        workspace_ptr: cute.Pointer,
+        status_ptr: cute.Pointer,
+        tokens_sum: Int32,
+        sfa_ptr: cute.Pointer,
+        sfb_ptr: cute.Pointer,
+        gsa_ptr: cute.Pointer,
+        gsb_ptr: cute.Pointer,
+        sf_capacity: Int32,
+        grid_size: Int32,
+        stream: cuda.CUstream,
+    ):
+        self.launch(
+            a_ptr, b_ptr, offsets_ptr, c_ptr, workspace_ptr, status_ptr, tokens_sum, grid_size,
+            stream, scales=(sfa_ptr, sfb_ptr, gsa_ptr, gsb_ptr, sf_capacity),
+        )
+
+
 class GroupedWgradKernel(GemmEntryPoints):
     """What the arch kernels share on the host side: the store op and the prep kernel.
 
@@ -558,13 +652,17 @@ class GroupedWgradKernel(GemmEntryPoints):
         store_pipeline.producer_acquire()
 
     def launch_prep(self, mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status_ptr,
-                    tiled_mma, a_smem_layout, b_smem_layout, epi_smem_layout, stream):
+                    tiled_mma, a_smem_layout, b_smem_layout, epi_smem_layout, stream,
+                    sf_capacity=None):
+        """`sf_capacity`: the scale tensors' columns (blocked) or rows (block_1x128), which the
+        offsets check compares with what the offsets need (None: no such scales)."""
         status = cute.make_tensor(
             cute.recast_ptr(status_ptr, dtype=Int32), cute.make_layout(STATUS_INT32)
         )
         self.prep_kernel(
             mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status, tiled_mma,
             a_smem_layout, b_smem_layout, epi_smem_layout, self.epi_tile,
+            Int32(0) if sf_capacity is None else sf_capacity,
         ).launch(grid=(self.cfg.num_experts, 1, 1), block=(32, 1, 1), stream=stream)
 
     @cute.kernel
@@ -582,14 +680,15 @@ class GroupedWgradKernel(GemmEntryPoints):
         b_smem_layout: cute.ComposedLayout,
         epi_smem_layout: cute.ComposedLayout,
         epi_tile: cute.Tile,
+        sf_capacity: Int32,
     ):
-        """One warp per expert: range, rank, and the expert's TMA descriptors; block 0 also
-        checks the offsets (verdict and status record)."""
+        """One warp per expert: range, rank, scale base and the expert's TMA descriptors;
+        block 0 also checks the offsets (verdict and status record)."""
         cfg = self.cfg
         ws = Workspace(cfg, workspace_ptr)
         expert = cute.arch.block_idx()[0]
         if expert == 0:
-            check_offsets(cfg, offsets, tokens_sum, ws, status)
+            check_offsets(cfg, offsets, tokens_sum, ws, status, sf_capacity)
         begin, end = write_ranges_and_order(cfg, offsets, tokens_sum, ws)
         a_e = expert_operand_view(mA, cfg.hidden, cfg.a_ragged_block, begin, end)
         b_e = expert_operand_view(mB, cfg.intermediate, cfg.b_ragged_block, begin, end)

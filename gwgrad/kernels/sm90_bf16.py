@@ -80,6 +80,17 @@ SCHED_STAGES = 4
 SMEM_RESERVED = 2048  # mbarriers, the unit ring, alignment
 MAX_AB_STAGE = 8
 
+
+def stage_bytes(cfg: ProblemConfig) -> int:
+    """Bytes one A/B pipeline stage holds (the scaled kernel's scales included)."""
+    ab = cfg.tile_k * (cfg.tile_m * cfg.cutlass_ab_dtype.width
+                       + cfg.tile_n * cfg.cutlass_b_dtype.width) // 8
+    if cfg.scale_recipe:
+        from .sm90_fp8 import scale_stage_bytes
+
+        ab += scale_stage_bytes(cfg)
+    return ab
+
 WARP_GROUP_THREADS = 128
 
 
@@ -132,7 +143,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         epi_n = min(cfg.epi_tile_n or (64 if c_width == 16 else 32), cfg.tile_n)
         epi_m = min(64 if cfg.schedule == "pingpong" else 128, cfg.tile_m)
         epi_stage = 4 if c_width == 16 else 2
-        ab_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * cfg.cutlass_ab_dtype.width // 8
+        ab_bytes = stage_bytes(cfg)
         c_bytes = epi_m * epi_n * c_width // 8
         ab_stage = (SMEM_CAPACITY - SMEM_RESERVED - epi_stage * c_bytes) // ab_bytes
         return (epi_m, epi_n), epi_stage, min(ab_stage, MAX_AB_STAGE)
@@ -169,40 +180,44 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     # host side
     # ------------------------------------------------------------------------------------
     def _setup(self):
+        """Tiled MMA, shared-memory layouts, stage counts (traced in launch())."""
         cfg = self.cfg
         a_layout = LayoutEnum.ROW_MAJOR if cfg.a_major == "k" else LayoutEnum.COL_MAJOR
         b_layout = LayoutEnum.ROW_MAJOR if cfg.b_major == "k" else LayoutEnum.COL_MAJOR
         self.a_layout, self.b_layout = a_layout, b_layout
         self.c_layout = LayoutEnum.ROW_MAJOR
-        atom_layout = (1, 1, 1) if self.pingpong else (2, 1, 1)
-        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype,
-            self.ab_dtype,
-            a_layout.sm90_mma_major_mode(),
-            b_layout.sm90_mma_major_mode(),
-            self.acc_dtype,
-            atom_layout,
-            tiler_mn=(64, cfg.tile_n),
-        )
+        self.tiled_mma = self.make_tiled_mma()
         self.epi_tile, self.epi_stage, self.ab_stage = self.epilogue_plan(cfg)
-        ab_bytes = (cfg.tile_m + cfg.tile_n) * cfg.tile_k * self.ab_dtype.width // 8
 
         self.a_smem_layout_staged = sm90_utils.make_smem_layout_a(
             a_layout, self.tile_shape_mnk, self.ab_dtype, self.ab_stage
         )
         self.b_smem_layout_staged = sm90_utils.make_smem_layout_b(
-            b_layout, self.tile_shape_mnk, self.ab_dtype, self.ab_stage
+            b_layout, self.tile_shape_mnk, cfg.cutlass_b_dtype, self.ab_stage
         )
         self.epi_smem_layout_staged = sm90_utils.make_smem_layout_epi(
             self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage
         )
-        self.tma_bytes = ab_bytes
+        self.tma_bytes = stage_bytes(cfg)  # one stage's TMA transaction (scales included)
+
+    def make_tiled_mma(self):
+        """The WGMMA tiling: one warp group per 64 rows (two side by side, cooperative)."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.cfg.cutlass_b_dtype,
+            self.a_layout.sm90_mma_major_mode(),
+            self.b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            (1, 1, 1) if self.pingpong else (2, 1, 1),
+            tiler_mn=(64, self.cfg.tile_n),
+        )
 
     def launch(self, a_ptr, b_ptr, offsets_ptr, c_ptr, workspace_ptr, status_ptr, tokens_sum,
-               grid_size, stream):
+               grid_size, stream, scales=None):
         """Launch prep + GEMM on `stream` (traced inside the entry points of GemmEntryPoints).
         `c_ptr` is the dense output, or in discrete mode the int64 array of per-expert output
-        addresses."""
+        addresses. `scales`: block-scaled kernels' (sfa, sfb, gsa, gsb, sf_capacity)
+        (ScaledEntryPoints; kernels/sm90_fp8.py), None for BF16."""
         cfg = self.cfg
         self._setup()
         mA, mB = gemm_views(cfg, a_ptr, b_ptr, tokens_sum)
@@ -232,10 +247,33 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             self.c_store_op(), mC, epi_smem_layout, self.epi_tile
         )
 
+        scale_sources, sf_capacity = None, None
+        if cutlass.const_expr(scales is not None):
+            scale_sources = self.scale_sources(scales)
+            sf_capacity = scales[4]
         self.launch_prep(
             mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status_ptr, self.tiled_mma,
-            a_smem_layout, b_smem_layout, epi_smem_layout, stream,
+            a_smem_layout, b_smem_layout, epi_smem_layout, stream, sf_capacity,
         )
+        self.shared_storage = self.storage_type()
+        args = (
+            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tma_tensor_c,
+            wgrad_ptrs, workspace_ptr, self.tiled_mma,
+            self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
+        )
+        if cutlass.const_expr(scales is None):
+            kernel = self.kernel(*args)
+        else:
+            kernel = self.kernel_scaled(*args, *scale_sources)
+        kernel.launch(
+            grid=(grid_size, 1, 1),
+            block=(self.num_threads, 1, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    def storage_type(self):
+        """The kernel's shared-memory struct."""
 
         @cute.struct
         class SharedStorage:
@@ -252,17 +290,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout_staged)], 1024
             ]
 
-        self.shared_storage = SharedStorage
-        self.kernel(
-            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tma_tensor_c,
-            wgrad_ptrs, workspace_ptr, self.tiled_mma,
-            self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
-        ).launch(
-            grid=(grid_size, 1, 1),
-            block=(self.num_threads, 1, 1),
-            min_blocks_per_mp=1,
-            stream=stream,
-        )
+        return SharedStorage
 
     # ------------------------------------------------------------------------------------
     # prep kernel hooks (the kernel itself is GroupedWgradKernel.prep_kernel)
@@ -305,20 +333,23 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             self.gemm_cta(
                 tma_atom_a, mA_coord, tma_atom_b, mB_coord, tma_atom_c, mC_coord, wgrad_ptrs, ws,
                 tiled_mma, a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged,
+                None,
             )
 
     @cute.jit
     def gemm_cta(
         self, tma_atom_a, mA_coord, tma_atom_b, mB_coord, tma_atom_c, mC_coord, wgrad_ptrs, ws,
-        tiled_mma, a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged,
+        tiled_mma, a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged, scales,
     ):
-        """One CTA's whole work (valid offsets only)."""
+        """One CTA's whole work (valid offsets only). `scales`: None for BF16; the scaled
+        kernel's scale sources (kernels/sm90_fp8.py), handed to its hooks."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warp_group_idx = cute.arch.make_warp_uniform(tidx // WARP_GROUP_THREADS)
 
         smem = SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
+        all_storage = smem.allocate(self.shared_storage)
+        storage = self.gemm_storage(all_storage)
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_mbar.data_ptr(),
             num_stages=self.ab_stage,
@@ -348,6 +379,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         sC = storage.sC.get_tensor(
             epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner
         )
+        smem_scales = self.scale_buffers(all_storage)
         pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         if warp_group_idx == 0:
@@ -355,20 +387,30 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             if warp_idx == WarpRole.TMA:
                 self.producer(
                     tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB,
-                    ab_pipeline, sched_pipeline, sched_slots, ws,
+                    ab_pipeline, sched_pipeline, sched_slots, ws, scales, smem_scales,
                 )
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consumer(
                 tiled_mma, tma_atom_c, mC_coord, wgrad_ptrs, sA, sB, sC,
                 ab_pipeline, sched_pipeline, sched_slots, ws, tidx, warp_idx, warp_group_idx - 1,
+                scales, smem_scales,
             )
+
+    # Hooks of the scaled kernel (kernels/sm90_fp8.py); BF16 has no scales.
+    def gemm_storage(self, storage):
+        """This kernel's fields of the shared storage (the scaled kernel nests them)."""
+        return storage
+
+    def scale_buffers(self, storage):
+        """The shared-memory scale buffers in `storage` (None: none)."""
+        return None
 
     # ------------------------------------------------------------------------------------
     @cute.jit
     def producer(
         self, tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB,
-        ab_pipeline, sched_pipeline, sched_slots, ws,
+        ab_pipeline, sched_pipeline, sched_slots, ws, scales, smem_scales,
     ):
         cfg = self.cfg
         lane = cute.arch.lane_idx()
@@ -402,6 +444,9 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                                             token_origin(begin, cfg.a_ragged_block))
             tBsB, tBgB = self.operand_tiles(tma_atom_b, mB_coord, sB, cfg.tile_n,
                                             token_origin(begin, cfg.b_ragged_block))
+            unit_sf = None
+            if cutlass.const_expr(scales is not None):
+                unit_sf = self.unit_scale_origin(ws, expert, tile_m, tile_n)
             for kt in cutlass.range(k_tiles, unroll=1):
                 ab_pipeline.producer_acquire(ab_state)
                 bar = ab_pipeline.producer_get_barrier(ab_state)
@@ -413,6 +458,8 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                     tma_atom_b, tBgB[(None, tile_n, kt)], tBsB[(None, ab_state.index)],
                     tma_bar_ptr=bar, tma_desc_ptr=desc_b,
                 )
+                if cutlass.const_expr(scales is not None):
+                    self.load_scales(scales, smem_scales, bar, ab_state.index, unit_sf, kt)
                 ab_pipeline.producer_commit(ab_state)
                 ab_state.advance()
             unit = nxt
@@ -473,6 +520,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     def consumer(
         self, tiled_mma, tma_atom_c, mC_coord, wgrad_ptrs, sA, sB, sC,
         ab_pipeline, sched_pipeline, sched_slots, ws, tidx, warp_idx, mma_group,
+        scales, smem_scales,
     ):
         cfg = self.cfg
         # Thread index inside the tiled MMA: both groups (cooperative) or one (pingpong).
@@ -554,11 +602,19 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             tile_m, tile_n = unit_tile_coords(cfg, unit % cfg.tiles_per_expert)
             if cutlass.const_expr(self.pingpong):
                 mma_order_self.arrive_and_wait()
-            ab_read, ab_release = self.mainloop(
-                tiled_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release, k_tiles
-            )
+            if cutlass.const_expr(scales is None):
+                ab_read, ab_release = self.mainloop(
+                    tiled_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release, k_tiles
+                )
+            else:
+                ab_read, ab_release = self.scaled_mainloop(
+                    tiled_mma, thr_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release,
+                    k_tiles, smem_scales, tile_m, tile_n,
+                )
             if cutlass.const_expr(self.pingpong):
                 mma_order_peer.arrive()
+            if cutlass.const_expr(scales is not None):
+                self.scale_output(acc, thr_mma, scales, ws, expert, tile_m, tile_n, k_tiles)
 
             store = True
             if cutlass.const_expr(cfg.accumulate):

@@ -21,6 +21,13 @@ SM90_TILES = {
     (64, 256): "pingpong",
     (64, 128): "pingpong",
 }
+#: SM90 FP8 (scaled) tiles: a second FP32 accumulator per thread (2xAcc) halves what fits.
+SM90_FP8_TILES = {
+    (128, 128): "cooperative",
+    (128, 192): "cooperative",
+    (64, 128): "pingpong",
+    (64, 192): "pingpong",
+}
 SM90_CLUSTERS = ((1, 1),)
 SM100_CLUSTERS = ((1, 1), (2, 1), (4, 1))
 
@@ -38,6 +45,14 @@ def sm90_problem(mma_tiler_mn: Pair, cluster_shape_mn: Pair) -> Optional[Tuple[s
 
 def sm90_schedule(mma_tiler_mn: Pair) -> str:
     return SM90_TILES[tuple(mma_tiler_mn)]
+
+
+def sm90_fp8_problem(mma_tiler_mn: Pair, cluster_shape_mn: Pair) -> Optional[Tuple[str, str]]:
+    """(argument, detail) of the first reason the SM90 FP8 kernel cannot run this tiling."""
+    if tuple(mma_tiler_mn) not in SM90_FP8_TILES:
+        return "mma_tiler_mn", (f"expected one of {sorted(SM90_FP8_TILES)} for FP8 on SM90, "
+                                f"got {tuple(mma_tiler_mn)}")
+    return sm90_problem((128, 128), cluster_shape_mn)
 
 
 def sm100_problem(mma_tiler_mn: Pair, cluster_shape_mn: Pair) -> Optional[Tuple[str, str]]:

@@ -1,0 +1,65 @@
+"""FP8 backend for Hopper (SM90): the scaled WGMMA kernel of kernels/sm90_fp8.py, for the three
+scale recipes of gwgrad/scales.py (MXFP8's blocked E8M0 scales, per-expert channel scales,
+1x128 blocks). FP4 formats need SM100's block-scaled tensor cores."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..dtypes import DType
+from ..errors import fail
+from ..kernels.tiling import SM90_FP8_TILES, sm90_fp8_problem
+from ..spec import StaticSpec
+from . import _cutedsl
+
+FP8_DTYPES = (DType.FLOAT8_E4M3FN, DType.FLOAT8_E5M2)
+
+
+class Fp8Sm90Backend(_cutedsl.CuteDslBackend):
+    name = "fp8_sm90"
+
+    def check_spec(self, spec: StaticSpec) -> None:
+        for name, dtype in (("a_tensor", spec.a_dtype), ("b_tensor", spec.b_dtype)):
+            if dtype == DType.FLOAT4_E2M1FN_X2:
+                raise RuntimeError(
+                    f"{name}: FP4 (NVFP4 / MXFP4) needs an SM100 GPU's block-scaled tensor "
+                    f"cores; {spec.arch} (Hopper) has none. Use FP8 operands here")
+            if dtype not in FP8_DTYPES:
+                fail(name, "float8_e4m3fn or float8_e5m2 operands (the SM90 FP8 kernel)", dtype)
+        for name, major in (("a_tensor", spec.a_major), ("b_tensor", spec.b_major)):
+            if major != "k":
+                fail(name, "a K-major (token-contiguous) FP8 operand on SM90: Hopper's FP8 "
+                     "WGMMA reads K-major shared memory only; store it as (rows, tokens) with "
+                     "unit stride along tokens", f"a {major.upper()}-major one")
+        if spec.acc_dtype != DType.FLOAT32:
+            fail("acc_dtype", "float32", spec.acc_dtype)
+        if spec.wgrad_dtype not in (DType.BFLOAT16, DType.FLOAT16, DType.FLOAT32):
+            fail("wgrad_dtype", "bfloat16, float16 or float32", spec.wgrad_dtype)
+        for name, value in (("a_tensor", spec.hidden), ("b_tensor", spec.intermediate)):
+            if value % 16 != 0:
+                fail(name, "hidden / intermediate a multiple of 16 for FP8", value)
+
+    def default_tiling(self, spec: StaticSpec):
+        return (128, 128), (1, 1)
+
+    def default_tuning(self, spec: StaticSpec):
+        return 16, (64 if spec.wgrad_dtype.itemsize == 2 else 32)
+
+    def tiling_problem(self, spec: StaticSpec):
+        return sm90_fp8_problem(spec.mma_tiler_mn, spec.cluster_shape_mn)
+
+    def kernel_problem(self, spec: StaticSpec):
+        from ..kernels.sm90_fp8 import Sm90ScaledGroupedWgrad
+
+        return Sm90ScaledGroupedWgrad.can_implement(self.config(spec))
+
+    def config(self, spec: StaticSpec):
+        from ..kernels.sm90_fp8 import FP8_TILE_K
+
+        schedule = SM90_FP8_TILES[tuple(spec.mma_tiler_mn)]
+        return dataclasses.replace(_cutedsl.problem_config(spec, schedule), tile_k=FP8_TILE_K)
+
+    def make_kernel(self, spec: StaticSpec):
+        from ..kernels.sm90_fp8 import Sm90ScaledGroupedWgrad
+
+        return Sm90ScaledGroupedWgrad(self.config(spec))

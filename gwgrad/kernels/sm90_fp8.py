@@ -1,0 +1,448 @@
+"""Hopper (SM90) FP8 grouped weight-gradient GEMM with scales (gwgrad/scales.py's recipes).
+
+Everything but the mainloop and the scales is the BF16 kernel's (kernels/sm90_bf16.py, which
+this class extends through its hooks): the unit schedule, the per-expert TMA descriptors, the
+offsets verdict and skip, the producer warp, both consumer schedules and the epilogue store.
+
+Operands: FP8 E4M3 / E5M2 (A and B may differ), both K-major (token-contiguous): Hopper's FP8
+WGMMA reads K-major shared memory only. K blocks are 128 tokens (128-byte rows, 128B swizzle),
+four WGMMA instructions of K=32 each.
+
+Work split, warp roles, pipelines: those of the BF16 kernel (producer warp group 0, consumer
+warp groups 1-2, cooperative 128xN or pingpong 64xN tiles). The producer also loads each
+stage's scales with TMA on the stage's barrier (transaction bytes include them):
+  block_1x128: the m-tile's row of A scales and the n-tile's row of B scales for the stage's
+               128 tokens (FP32; row sf_base[e] + k-block, sf_base from the prep kernel's
+               prefix sum of ceil(count/128));
+  blocked:     the 512-byte atoms of the blocked layout holding the tile's rows for the
+               stage's four 32-token scale columns (one for A, one or two for B).
+Consumers (2xAcc): each 128-token K block is accumulated by WGMMA into a temporary FP32
+accumulator, then promoted into the main one on CUDA cores:
+  per_expert_channel: acc += tmp (one FADD per element and K block); the channel scales
+                      sfa[e, m] * sfb[e, n] multiply the result once, before the epilogue;
+  block_1x128:        acc += tmp * (sfa[m] * sfb[n]) per K block;
+  blocked (MXFP8):    every 32-token K=32 instruction is promoted with its own E8M0 scales
+                      (decoded 2^(e-127); 0x00 = 2^-127, 0xFF = NaN).
+Global scales (per expert) multiply the accumulator before the epilogue. An empty expert
+stores zeros (nothing when accumulating), whatever its scales hold.
+
+Verified: compile-checked (tests/test_compile_sm90.py: FP8 WGMMA in the PTX); on the H200 by
+tests/test_fp8_sm90_kernel_gpu.py and the benchmark, as recorded in docs/results/.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
+
+from ..kernels.tiling import SM90_FP8_TILES
+from ..scales import ATOM_BYTES, ATOM_ROWS, BLOCK_1X128, BLOCKED, PER_EXPERT_CHANNEL
+from .common import ProblemConfig, ScaledEntryPoints, Workspace, ceil_div, scale_columns
+from .sm90_bf16 import SCHED_STAGES, Sm90GroupedWgrad
+
+FP8_TILE_K = 128
+
+
+def sf_atoms(rows: int) -> int:
+    """Blocked-layout atoms (128 rows each) that one tile of `rows` rows can touch."""
+    return max(ceil_div((k * rows) % ATOM_ROWS + rows, ATOM_ROWS) for k in range(ATOM_ROWS))
+
+
+def scale_stage_bytes(cfg: ProblemConfig) -> int:
+    """Bytes of scales one pipeline stage holds."""
+    if cfg.scale_recipe == BLOCK_1X128:
+        return 4 * (cfg.tile_m + cfg.tile_n)
+    if cfg.scale_recipe == BLOCKED:
+        return ATOM_BYTES * (sf_atoms(cfg.tile_m) + sf_atoms(cfg.tile_n))
+    return 0
+
+
+@dsl_user_op
+def float_from_bits(bits: Int32, *, loc=None, ip=None) -> Float32:
+    return Float32(llvm.bitcast(Float32.mlir_type, Int32(bits).ir_value(loc=loc, ip=ip),
+                                loc=loc, ip=ip))
+
+
+@cute.jit
+def e8m0_value(code: Int32) -> Float32:
+    """2^(code-127) for an E8M0 code (0..255): 0x00 is 2^-127 (an FP32 denormal), 0xFF NaN."""
+    special = Int32(code == 0) | Int32(code == 255)
+    return float_from_bits((code << 23) | (special << 22))
+
+
+@cute.jit
+def atom_word(row: Int32) -> Int32:
+    """The int32 word of a blocked-layout atom holding row `row`'s four scale bytes."""
+    return (row & 31) * 4 + ((row >> 5) & 3)
+
+
+class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
+    """The scaled kernel of one ProblemConfig (cfg.scale_recipe set)."""
+
+    def __init__(self, cfg: ProblemConfig):
+        super().__init__(cfg)
+        self.recipe = cfg.scale_recipe
+
+    @staticmethod
+    def can_implement(cfg: ProblemConfig):
+        if cfg.scale_recipe not in (BLOCKED, PER_EXPERT_CHANNEL, BLOCK_1X128):
+            return ("scale_recipe", f"expected a scale recipe for FP8 inputs, got "
+                                    f"{cfg.scale_recipe!r}")
+        for name, dtype in (("a_tensor", cfg.ab_dtype), ("b_tensor", cfg.b_dtype or cfg.ab_dtype)):
+            if dtype not in ("float8_e4m3fn", "float8_e5m2"):
+                return (name, f"expected float8_e4m3fn or float8_e5m2 operands on SM90, got "
+                              f"{dtype}")
+        for name, major in (("a_tensor", cfg.a_major), ("b_tensor", cfg.b_major)):
+            if major != "k":
+                return (name, "expected a K-major (token-contiguous) FP8 operand: Hopper's FP8 "
+                              "WGMMA reads K-major shared memory only (quantize x and dy "
+                              "transposed, as (hidden, tokens) / (intermediate, tokens) rows)")
+        if cfg.scale_recipe == BLOCKED and cfg.sf_vec != 32:
+            return ("sf_vec_size", f"expected 32 (MXFP8) on SM90, got {cfg.sf_vec}")
+        if cfg.tile_k != FP8_TILE_K:
+            return ("mma_tiler_mn", f"FP8 K blocks are {FP8_TILE_K} tokens, got {cfg.tile_k}")
+        schedule = SM90_FP8_TILES.get((cfg.tile_m, cfg.tile_n))
+        if schedule is None or schedule != cfg.schedule:
+            return ("mma_tiler_mn", f"expected one of {sorted(SM90_FP8_TILES)} for FP8 on SM90 "
+                                    f"(two FP32 accumulators per thread), got "
+                                    f"({cfg.tile_m}, {cfg.tile_n})")
+        return Sm90GroupedWgrad.can_implement(cfg)
+
+    # ------------------------------------------------------------------------------------
+    # host side: the scale sources (traced in launch())
+    # ------------------------------------------------------------------------------------
+    def scale_sources(self, scales):
+        """TMA atoms + coordinate tensors of the per-stage scale loads, and plain views of
+        the scale tensors and global scales for the consumers."""
+        cfg = self.cfg
+        sfa_ptr, sfb_ptr, gsa_ptr, gsb_ptr, capacity = scales
+        m, n, e = cfg.hidden, cfg.intermediate, cfg.num_experts
+        if cutlass.const_expr(self.recipe == BLOCKED):
+            # Atoms of 128 int32 words; (rows/128) * (columns/4) of them.
+            quads = capacity // 4
+            mSFA = cute.make_tensor(
+                cute.recast_ptr(sfa_ptr, dtype=Int32),
+                cute.make_layout((ATOM_ROWS, ceil_div(m, ATOM_ROWS) * quads), stride=(1, ATOM_ROWS)),
+            )
+            mSFB = cute.make_tensor(
+                cute.recast_ptr(sfb_ptr, dtype=Int32),
+                cute.make_layout((ATOM_ROWS, ceil_div(n, ATOM_ROWS) * quads), stride=(1, ATOM_ROWS)),
+            )
+            box_a, box_b = ATOM_ROWS, ATOM_ROWS
+        elif cutlass.const_expr(self.recipe == BLOCK_1X128):
+            mSFA = cute.make_tensor(cute.recast_ptr(sfa_ptr, dtype=Float32),
+                                    cute.make_layout((m, capacity), stride=(1, m)))
+            mSFB = cute.make_tensor(cute.recast_ptr(sfb_ptr, dtype=Float32),
+                                    cute.make_layout((n, capacity), stride=(1, n)))
+            box_a, box_b = cfg.tile_m, cfg.tile_n
+        else:
+            # per_expert_channel: the consumers read the scales directly; these atoms are
+            # built (over the (E, rows) tensors) only to keep one kernel signature.
+            mSFA = cute.make_tensor(cute.recast_ptr(sfa_ptr, dtype=Float32),
+                                    cute.make_layout((m, e), stride=(1, m)))
+            mSFB = cute.make_tensor(cute.recast_ptr(sfb_ptr, dtype=Float32),
+                                    cute.make_layout((n, e), stride=(1, n)))
+            box_a, box_b = cfg.tile_m, cfg.tile_n
+        atom_sfa, tma_sfa = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mSFA, cute.make_layout((box_a, 1)), (box_a, 1)
+        )
+        atom_sfb, tma_sfb = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mSFB, cute.make_layout((box_b, 1)), (box_b, 1)
+        )
+        sfa = cute.make_tensor(cute.recast_ptr(sfa_ptr, dtype=Float32), cute.make_layout(e * m))
+        sfb = cute.make_tensor(cute.recast_ptr(sfb_ptr, dtype=Float32), cute.make_layout(e * n))
+        gsa = cute.make_tensor(cute.recast_ptr(gsa_ptr, dtype=Float32), cute.make_layout(e))
+        gsb = cute.make_tensor(cute.recast_ptr(gsb_ptr, dtype=Float32), cute.make_layout(e))
+        return atom_sfa, tma_sfa, atom_sfb, tma_sfb, sfa, sfb, gsa, gsb
+
+    def storage_type(self):
+        base = Sm90GroupedWgrad.storage_type(self)
+        if self.recipe == PER_EXPERT_CHANNEL:
+            return base
+        words_a, words_b, dtype = self._scale_words()
+
+        @cute.struct
+        class ScaledStorage:
+            gemm: base
+            sSFA: cute.struct.Align[cute.struct.MemRange[dtype, words_a * self.ab_stage], 128]
+            sSFB: cute.struct.Align[cute.struct.MemRange[dtype, words_b * self.ab_stage], 128]
+
+        return ScaledStorage
+
+    def _scale_words(self):
+        cfg = self.cfg
+        if self.recipe == BLOCKED:
+            return (ATOM_ROWS * sf_atoms(cfg.tile_m), ATOM_ROWS * sf_atoms(cfg.tile_n), Int32)
+        return cfg.tile_m, cfg.tile_n, Float32
+
+    # ------------------------------------------------------------------------------------
+    # GEMM kernel
+    # ------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel_scaled(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA_coord: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB_coord: cute.Tensor,
+        tma_atom_c: cute.CopyAtom,
+        mC_coord: cute.Tensor,
+        wgrad_ptrs: cute.Tensor,
+        workspace_ptr: cute.Pointer,
+        tiled_mma: cute.TiledMma,
+        a_smem_layout_staged: cute.ComposedLayout,
+        b_smem_layout_staged: cute.ComposedLayout,
+        epi_smem_layout_staged: cute.ComposedLayout,
+        atom_sfa: cute.CopyAtom,
+        mSFA_coord: cute.Tensor,
+        atom_sfb: cute.CopyAtom,
+        mSFB_coord: cute.Tensor,
+        sfa: cute.Tensor,
+        sfb: cute.Tensor,
+        gsa: cute.Tensor,
+        gsb: cute.Tensor,
+    ):
+        ws = Workspace(self.cfg, workspace_ptr)
+        # The offsets verdict, as in the BF16 kernel (module doc there).
+        if ws.verdict[0] != 0:
+            self.gemm_cta(
+                tma_atom_a, mA_coord, tma_atom_b, mB_coord, tma_atom_c, mC_coord, wgrad_ptrs, ws,
+                tiled_mma, a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged,
+                (atom_sfa, mSFA_coord, atom_sfb, mSFB_coord, sfa, sfb, gsa, gsb),
+            )
+
+    def gemm_storage(self, storage):
+        """The BF16 kernel's part of the shared storage."""
+        return storage if self.recipe == PER_EXPERT_CHANNEL else storage.gemm
+
+    def scale_buffers(self, storage):
+        if cutlass.const_expr(self.recipe == PER_EXPERT_CHANNEL):
+            return None
+        words_a, words_b, _ = self._scale_words()
+        stages = self.ab_stage
+        if cutlass.const_expr(self.recipe == BLOCKED):
+            atoms_a, atoms_b = words_a // ATOM_ROWS, words_b // ATOM_ROWS
+            sSFA = storage.sSFA.get_tensor(cute.make_layout((ATOM_ROWS, 1, atoms_a * stages)))
+            sSFB = storage.sSFB.get_tensor(cute.make_layout((ATOM_ROWS, 1, atoms_b * stages)))
+        else:
+            sSFA = storage.sSFA.get_tensor(cute.make_layout((words_a, 1, stages)))
+            sSFB = storage.sSFB.get_tensor(cute.make_layout((words_b, 1, stages)))
+        return sSFA, sSFB
+
+    # -- producer ------------------------------------------------------------------------
+    @cute.jit
+    def unit_scale_origin(self, ws, expert, tile_m, tile_n):
+        """Per unit: where its scales start (the coordinates load_scales adds k-blocks to)."""
+        cfg = self.cfg
+        base = ws.sf_base[expert]
+        origin = (base, tile_m, tile_n)  # block_1x128: row sf_base[e] + k-block of the tile
+        if cutlass.const_expr(self.recipe == BLOCKED):
+            count = ws.ranges[2 * expert + 1] - ws.ranges[2 * expert]
+            quads = scale_columns(cfg, count) // 4  # atoms per 128-row block of this expert
+            first = base // 4
+            row_blocks_a = ceil_div(cfg.hidden, ATOM_ROWS)
+            row_blocks_b = ceil_div(cfg.intermediate, ATOM_ROWS)
+            a0 = row_blocks_a * first + (tile_m * cfg.tile_m) // ATOM_ROWS * quads
+            nb0 = (tile_n * cfg.tile_n) // ATOM_ROWS
+            b0 = row_blocks_b * first + nb0 * quads
+            # A second B atom past the last row block repeats the last one (never used).
+            b1 = row_blocks_b * first + cutlass.min(nb0 + 1, row_blocks_b - 1) * quads
+            origin = (a0, b0, b1)
+        return origin
+
+    @cute.jit
+    def load_scales(self, scales, smem_scales, bar, stage, unit_sf, kt):
+        if cutlass.const_expr(self.recipe != PER_EXPERT_CHANNEL):
+            cfg = self.cfg
+            atom_sfa, mSFA, atom_sfb, mSFB = scales[0], scales[1], scales[2], scales[3]
+            sSFA, sSFB = smem_scales
+            box_a = cute.size(sSFA, mode=[0])
+            box_b = cute.size(sSFB, mode=[0])
+            tAs, tAg = cpasync.tma_partition(
+                atom_sfa, 0, cute.make_layout(1), cute.group_modes(sSFA, 0, 2),
+                cute.group_modes(cute.local_tile(mSFA, (box_a, 1), (None, None)), 0, 2),
+            )
+            tBs, tBg = cpasync.tma_partition(
+                atom_sfb, 0, cute.make_layout(1), cute.group_modes(sSFB, 0, 2),
+                cute.group_modes(cute.local_tile(mSFB, (box_b, 1), (None, None)), 0, 2),
+            )
+            if cutlass.const_expr(self.recipe == BLOCKED):
+                atoms_a = sf_atoms(cfg.tile_m)
+                atoms_b = sf_atoms(cfg.tile_n)
+                a0, b0, b1 = unit_sf
+                cute.copy(atom_sfa, tAg[(None, 0, a0 + kt)], tAs[(None, stage * atoms_a)],
+                          tma_bar_ptr=bar)
+                cute.copy(atom_sfb, tBg[(None, 0, b0 + kt)], tBs[(None, stage * atoms_b)],
+                          tma_bar_ptr=bar)
+                if cutlass.const_expr(atoms_b > 1):
+                    cute.copy(atom_sfb, tBg[(None, 0, b1 + kt)],
+                              tBs[(None, stage * atoms_b + 1)], tma_bar_ptr=bar)
+            else:
+                row, tile_m, tile_n = unit_sf
+                cute.copy(atom_sfa, tAg[(None, tile_m, row + kt)], tAs[(None, stage)],
+                          tma_bar_ptr=bar)
+                cute.copy(atom_sfb, tBg[(None, tile_n, row + kt)], tBs[(None, stage)],
+                          tma_bar_ptr=bar)
+
+    # -- consumers -----------------------------------------------------------------------
+    #: FP32 recipes: two temporary accumulators, so that the WGMMAs of K block k+1 run while
+    #: K block k is promoted (else every promotion waits for the tensor cores to drain).
+    OVERLAP = True
+
+    @cute.jit
+    def scaled_mainloop(self, tiled_mma, thr_mma, acc, tCrA, tCrB, ab_pipeline, ab_read,
+                        ab_release, k_tiles, smem_scales, tile_m, tile_n):
+        """acc = the unit's sum, promoted from a temporary WGMMA accumulator (module doc)."""
+        if cutlass.const_expr(self.OVERLAP and self.recipe != BLOCKED):
+            return self.overlapped_mainloop(tiled_mma, thr_mma, acc, tCrA, tCrB, ab_pipeline,
+                                            ab_read, ab_release, k_tiles, smem_scales)
+        cfg = self.cfg
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        tmp = cute.make_rmem_tensor(acc.layout, self.acc_dtype)
+        coords = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+        acc.fill(0.0)
+        for kt in cutlass.range(k_tiles, unroll=1):
+            ab_pipeline.consumer_wait(ab_read)
+            stage = ab_read.index
+            if cutlass.const_expr(self.recipe == BLOCKED):
+                sSFA, sSFB = smem_scales
+                atoms_a = sf_atoms(cfg.tile_m)
+                atoms_b = sf_atoms(cfg.tile_n)
+                row_a = (tile_m * cfg.tile_m) % ATOM_ROWS
+                n0 = tile_n * cfg.tile_n
+                nb0 = n0 // ATOM_ROWS
+                # Each element's two scale words (the four 32-token columns of this stage),
+                # read once per stage: the compiler merges the repeated rows and columns.
+                words = []
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    m, n = coords[i]
+                    nn = n0 + n
+                    words.append((
+                        sSFA[(atom_word(row_a + m), 0, stage * atoms_a)],
+                        sSFB[(atom_word(nn % ATOM_ROWS), 0,
+                              stage * atoms_b + nn // ATOM_ROWS - nb0)],
+                    ))
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    warpgroup.fence()
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                    cute.gemm(tiled_mma, tmp, tCrA[(None, None, kb, stage)],
+                              tCrB[(None, None, kb, stage)], tmp)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        word_a, word_b = words[i]
+                        scale = (e8m0_value((word_a >> (8 * kb)) & 255)
+                                 * e8m0_value((word_b >> (8 * kb)) & 255))
+                        acc[i] = acc[i] + tmp[i] * scale
+            else:
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                    cute.gemm(tiled_mma, tmp, tCrA[(None, None, kb, stage)],
+                              tCrB[(None, None, kb, stage)], tmp)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                if cutlass.const_expr(self.recipe == BLOCK_1X128):
+                    sSFA, sSFB = smem_scales
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        m, n = coords[i]
+                        acc[i] = acc[i] + tmp[i] * (sSFA[(m, 0, stage)] * sSFB[(n, 0, stage)])
+                else:
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        acc[i] = acc[i] + tmp[i]
+            # The stage's operands and scales are consumed: hand it back.
+            ab_pipeline.consumer_release(ab_read)
+            ab_read.advance()
+            ab_release.advance()
+        return ab_read, ab_release
+
+    @cute.jit
+    def issue_k_block(self, mmas, tmp, tCrA, tCrB, stage):
+        """tmp = one stage's 128 tokens: four K=32 WGMMAs, committed as one group. `mmas`:
+        (the tiled MMA that overwrites its accumulator, the one that adds to it), made once
+        outside any branch (an ACCUMULATE flag set inside a branch would not reach the
+        code after it)."""
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            cute.gemm(mmas[0] if kb == 0 else mmas[1], tmp, tCrA[(None, None, kb, stage)],
+                      tCrB[(None, None, kb, stage)], tmp)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def promote(self, acc, tmp, coords, smem_scales, stage):
+        """acc += tmp (per_expert_channel) or tmp * sfa[m] * sfb[n] (block_1x128)."""
+        if cutlass.const_expr(self.recipe == BLOCK_1X128):
+            sSFA, sSFB = smem_scales
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                m, n = coords[i]
+                acc[i] = acc[i] + tmp[i] * (sSFA[(m, 0, stage)] * sSFB[(n, 0, stage)])
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = acc[i] + tmp[i]
+
+    @cute.jit
+    def overlapped_mainloop(self, tiled_mma, thr_mma, acc, tCrA, tCrB, ab_pipeline, ab_read,
+                            ab_release, k_tiles, smem_scales):
+        """The FP32 recipes' mainloop with two temporaries: K block k goes to tmp[k % 2];
+        once it is issued, K block k-1's group is waited for, promoted and its stage handed
+        back, while K block k's WGMMAs run."""
+        cfg = self.cfg
+        tmp0 = cute.make_rmem_tensor(acc.layout, self.acc_dtype)
+        tmp1 = cute.make_rmem_tensor(acc.layout, self.acc_dtype)
+        first, rest = self.make_tiled_mma(), self.make_tiled_mma()
+        first.set(warpgroup.Field.ACCUMULATE, False)
+        rest.set(warpgroup.Field.ACCUMULATE, True)
+        mmas = (first, rest)
+        coords = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+        acc.fill(0.0)
+        for kt in cutlass.range(k_tiles, unroll=1):
+            ab_pipeline.consumer_wait(ab_read)
+            if kt % 2 == 0:
+                self.issue_k_block(mmas, tmp0, tCrA, tCrB, ab_read.index)
+            else:
+                self.issue_k_block(mmas, tmp1, tCrA, tCrB, ab_read.index)
+            ab_read.advance()
+            if kt > 0:
+                warpgroup.wait_group(1)
+                if kt % 2 == 0:
+                    self.promote(acc, tmp1, coords, smem_scales, ab_release.index)
+                else:
+                    self.promote(acc, tmp0, coords, smem_scales, ab_release.index)
+                ab_pipeline.consumer_release(ab_release)
+                ab_release.advance()
+        warpgroup.wait_group(0)
+        if k_tiles > 0:
+            if k_tiles % 2 == 1:
+                self.promote(acc, tmp0, coords, smem_scales, ab_release.index)
+            else:
+                self.promote(acc, tmp1, coords, smem_scales, ab_release.index)
+            ab_pipeline.consumer_release(ab_release)
+            ab_release.advance()
+        return ab_read, ab_release
+
+    @cute.jit
+    def scale_output(self, acc, thr_mma, scales, ws, expert, tile_m, tile_n, k_tiles):
+        """Channel scales and global scales, once per unit (an empty expert keeps zeros)."""
+        cfg = self.cfg
+        if k_tiles > 0:
+            alpha = Float32(1.0)
+            if cutlass.const_expr(cfg.has_global_scale):
+                gsa, gsb = scales[6], scales[7]
+                alpha = gsa[expert] * gsb[expert]
+            if cutlass.const_expr(self.recipe == PER_EXPERT_CHANNEL):
+                sfa, sfb = scales[4], scales[5]
+                coords = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+                m0 = expert * cfg.hidden
+                n0 = expert * cfg.intermediate
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    m, n = coords[i]
+                    # Rows / columns past the output's edge are clipped by the store: read
+                    # the last channel's scale for them, never past the expert's row.
+                    gm = cutlass.min(tile_m * cfg.tile_m + m, cfg.hidden - 1)
+                    gn = cutlass.min(tile_n * cfg.tile_n + n, cfg.intermediate - 1)
+                    acc[i] = acc[i] * (sfa[m0 + gm] * sfb[n0 + gn] * alpha)
+            elif cutlass.const_expr(cfg.has_global_scale):
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    acc[i] = acc[i] * alpha

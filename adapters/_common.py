@@ -21,7 +21,31 @@ NAMES = {
     "wgrad_tensor": "out (wgrad_tensor)",
     "wgrad_ptrs": "out (the per-expert outputs)",
     "wgrad_dtype": "out_dtype (wgrad_dtype)",
+    "sfa_tensor": "x_scale (sfa_tensor)",
+    "sfb_tensor": "dy_scale (sfb_tensor)",
+    "global_scale_a": "x_global_scale (global_scale_a)",
+    "global_scale_b": "dy_global_scale (global_scale_b)",
 }
+
+#: The FP8 recipes the adapters' ``wgrad_fp8`` take (gwgrad/scales.py), and the core's
+#: ``sf_vec_size`` for each.
+FP8_RECIPES = {"per_expert_channel": 16, "block_1x128": 128}
+
+FP8_DOC = """FP8 weight gradient with FP32 scales: for every expert e,
+    ``W[e] = alpha_e * sum_t (x[t, :] * sx)^T (dy[t, :] * sdy)`` over its tokens, with
+    ``alpha_e = x_global_scale[e] * dy_global_scale[e]`` (1 without global scales), FP32
+    accumulation promoted every 128 tokens, one rounding to the output dtype.
+
+    x: (tokens, hidden), dy: (tokens, intermediate), float8_e4m3fn or float8_e5m2 (they may
+    differ), stored token-contiguous: x is the transpose view of a (hidden, tokens) row-major
+    array (``xt.T``; strides (1, tokens)), dy likewise, as Hopper's FP8 tensor cores read them
+    (quantize x and dy column-wise). offsets: int32 (num_experts,).
+    scale_recipe "per_expert_channel": x_scale float32 (num_experts, hidden) and dy_scale
+    (num_experts, intermediate), ``sx = x_scale[e]`` (``torch._scaled_grouped_mm``'s 2D-2D
+    convention); "block_1x128": x_scale (R, hidden), dy_scale (R, intermediate), one row per
+    128 tokens of an expert, experts' rows in order (expert e's j-th block is row
+    ``sum_{i<e} ceil(count_i/128) + j``; R at least that total: checked on the device).
+    x_global_scale / dy_global_scale: float32 (num_experts,), both or neither."""
 
 
 @contextlib.contextmanager

@@ -42,9 +42,9 @@ from gwgrad.interop import numpy as np_interop
 from gwgrad.plan import LaunchPlan, plan_for
 from gwgrad.tensors import TensorDesc, from_pointer
 
-from ._common import NAMES, adapter_names, experts_hidden_intermediate
+from ._common import FP8_DOC, FP8_RECIPES, NAMES, adapter_names, experts_hidden_intermediate
 
-__all__ = ["wgrad", "to_bfloat16_bits", "from_bfloat16_bits"]
+__all__ = ["wgrad", "wgrad_fp8", "to_bfloat16_bits", "from_bfloat16_bits"]
 
 
 def _cupy():
@@ -288,3 +288,74 @@ def _check_discrete(outs, x, dy, offsets, bits) -> None:
                 "out", f"expected every output to be a contiguous ({hidden}, {inter}) array of "
                 f"one dtype on x's device, got out[{e}] of shape {d.shape}, strides {d.strides}, "
                 f"dtype {d.dtype}, device {d.device}")
+
+
+# --- FP8 ------------------------------------------------------------------------------------
+
+_FP8_FORMATS = {"e4m3": DType.FLOAT8_E4M3FN, "float8_e4m3fn": DType.FLOAT8_E4M3FN,
+                "e5m2": DType.FLOAT8_E5M2, "float8_e5m2": DType.FLOAT8_E5M2}
+
+
+def _fp8_operand(arr: Any, name: str, fmt: Optional[str]) -> TensorDesc:
+    """The contract's operand (``arr.T`` for x) of an FP8 array: uint8 bits flagged with
+    ``fmt``, or an array whose own dtype is FP8 (``fmt`` None)."""
+    desc = _describe(arr, name, False, transpose=name == "a_tensor")
+    if desc.dtype == DType.UINT8:
+        if fmt not in _FP8_FORMATS:
+            raise ArgumentError(name, f"expected uint8 FP8 bits flagged with fp8='e4m3' or "
+                                      f"'e5m2', got fp8={fmt!r}")
+        desc = TensorDesc(desc.ptr, desc.shape, desc.strides, _FP8_FORMATS[fmt],
+                          desc.device_type, desc.device_id, desc.framework, desc.owner)
+    return desc
+
+
+def wgrad_fp8(x: Any, dy: Any, offsets: Any, x_scale: Any, dy_scale: Any, *, scale_recipe: str,
+              fp8: Union[str, Tuple[str, str], None] = None, out: Any = None,
+              accumulate: bool = False, out_dtype: Any = None, x_global_scale: Any = None,
+              dy_global_scale: Any = None, stream: Any = None,
+              validate_offsets: bool = False) -> Any:
+    import gwgrad
+
+    if scale_recipe not in FP8_RECIPES:
+        raise ArgumentError("scale_recipe", f"expected one of {sorted(FP8_RECIPES)}, got "
+                                            f"{scale_recipe!r}")
+    if accumulate and out is None:
+        raise ArgumentError("out", "expected an initialized output to accumulate into "
+                                   "(accumulate=True adds to it), got None")
+    fx, fdy = fp8 if isinstance(fp8, (tuple, list)) else (fp8, fp8)
+    want = _output_dtype(out_dtype)
+    with adapter_names():
+        a = _fp8_operand(x, "a_tensor", fx)
+        b = _fp8_operand(dy, "b_tensor", fdy)
+        device = (a.device_type, a.device_id)
+        launch_stream = _resolve_stream(stream, device)
+        result = out
+        if out is None:
+            shape = experts_hidden_intermediate(_shape(x), _shape(dy), _shape(offsets))
+            result = _empty(x, shape, want or DType.BFLOAT16, device, launch_stream,
+                            stream is not None)
+        wgrad = _describe(result, "wgrad_tensor", True)
+        if want is not None and want != wgrad.dtype:
+            raise ArgumentError("out_dtype", f"expected None or {wgrad.dtype} (out's dtype), "
+                                             f"got {want}")
+        gwgrad.grouped_gemm_wgrad(
+            a, b, _describe(x_scale, "sfa_tensor", False), _describe(dy_scale, "sfb_tensor", False),
+            _describe(offsets, "offsets_tensor", False), wgrad_tensor=wgrad,
+            global_scale_a=None if x_global_scale is None else _describe(
+                x_global_scale, "global_scale_a", False),
+            global_scale_b=None if dy_global_scale is None else _describe(
+                dy_global_scale, "global_scale_b", False),
+            accumulate_on_output=accumulate, sf_vec_size=FP8_RECIPES[scale_recipe],
+            current_stream=launch_stream, validate_offsets=validate_offsets,
+            scale_recipe=scale_recipe)
+    return result
+
+
+wgrad_fp8.__doc__ = FP8_DOC + """
+
+    CuPy has no FP8 dtypes: FP8 data travels as uint8 bits flagged with ``fp8`` ("e4m3" or
+    "e5m2", or a pair for x and dy); arrays that are FP8 themselves (ml_dtypes NumPy arrays,
+    DLPack FP8 arrays) need no flag. out: None (a new dense array of ``out_dtype``; bfloat16
+    as uint16 bits) or a dense (num_experts, hidden, intermediate) array (per-expert outputs:
+    the core API's ``wgrad_ptrs``). Runs on ``stream`` or CuPy's current stream; NumPy arrays
+    run the reference."""

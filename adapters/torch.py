@@ -41,9 +41,9 @@ from gwgrad.errors import ArgumentError
 from gwgrad.interop import torch as tinterop
 from gwgrad.plan import LaunchPlan, plan_for
 
-from ._common import NAMES, adapter_names, experts_hidden_intermediate
+from ._common import FP8_DOC, FP8_RECIPES, NAMES, adapter_names, experts_hidden_intermediate
 
-__all__ = ["wgrad", "GroupedExpertLinear", "grouped_expert_linear", "grouped_mm_reference"]
+__all__ = ["wgrad", "wgrad_fp8", "GroupedExpertLinear", "grouped_expert_linear", "grouped_mm_reference"]
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -275,6 +275,107 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, *,
     else:
         torch.ops.gwgrad.grouped_gemm_wgrad_discrete.default(x, dy, offsets, outs, accumulate)
     return outs
+
+
+# --- FP8 ------------------------------------------------------------------------------------
+
+_lib.define("grouped_gemm_wgrad_fp8_into(Tensor x, Tensor dy, Tensor offsets, Tensor x_scale, "
+            "Tensor dy_scale, Tensor? x_global_scale, Tensor? dy_global_scale, str scale_recipe, "
+            "Tensor(a!) out, bool accumulate) -> ()")
+
+
+def _fp8_launch(x, dy, offsets, x_scale, dy_scale, x_global_scale, dy_global_scale,
+                scale_recipe, out, outs, accumulate, validate_offsets=False):
+    """Through the core wrapper (its plan cache and torch's stream / allocator)."""
+    import gwgrad
+
+    if scale_recipe not in FP8_RECIPES:
+        raise ArgumentError("scale_recipe", f"expected one of {sorted(FP8_RECIPES)}, got "
+                                            f"{scale_recipe!r}")
+    kwargs = dict(a_tensor=x.t(), b_tensor=dy, sfa_tensor=x_scale, sfb_tensor=dy_scale,
+                  offsets_tensor=offsets, global_scale_a=x_global_scale,
+                  global_scale_b=dy_global_scale, accumulate_on_output=accumulate,
+                  sf_vec_size=FP8_RECIPES[scale_recipe], scale_recipe=scale_recipe,
+                  validate_offsets=validate_offsets)
+    with adapter_names():
+        if out is not None:
+            gwgrad.grouped_gemm_wgrad(wgrad_tensor=out, **kwargs)
+        else:
+            _check_discrete(outs, offsets, x, dy)
+            ptrs = tinterop.pointer_array(outs, x.device, tinterop.current_stream(x.device.index))
+            gwgrad.grouped_gemm_wgrad(output_mode="discrete", wgrad_ptrs=ptrs,
+                                      wgrad_dtype=tinterop.DTYPES.get(outs[0].dtype), **kwargs)
+
+
+def _grouped_gemm_wgrad_fp8_into(x, dy, offsets, x_scale, dy_scale, x_global_scale,
+                                 dy_global_scale, scale_recipe, out, accumulate):
+    _fp8_launch(x, dy, offsets, x_scale, dy_scale, x_global_scale, dy_global_scale,
+                scale_recipe, out, None, accumulate)
+
+
+for _key in ("CPU", "CUDA"):
+    _lib.impl("grouped_gemm_wgrad_fp8_into", _grouped_gemm_wgrad_fp8_into, _key)
+
+
+@torch.library.register_fake("gwgrad::grouped_gemm_wgrad_fp8_into")
+def _fake_grouped_gemm_wgrad_fp8_into(x, dy, offsets, x_scale, dy_scale, x_global_scale,
+                                      dy_global_scale, scale_recipe, out, accumulate):
+    return None
+
+
+def wgrad_fp8(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, x_scale: torch.Tensor,
+              dy_scale: torch.Tensor, *, scale_recipe: str,
+              out: Union[torch.Tensor, Sequence[torch.Tensor], None] = None,
+              accumulate: bool = False, out_dtype: Optional[torch.dtype] = None,
+              x_global_scale: Optional[torch.Tensor] = None,
+              dy_global_scale: Optional[torch.Tensor] = None,
+              validate_offsets: bool = False) -> Union[torch.Tensor, List[torch.Tensor]]:
+    if accumulate and out is None:
+        raise ArgumentError("out", "expected an initialized output to accumulate into "
+                                   "(accumulate=True adds to it), got None")
+    if out_dtype is not None and out_dtype not in _OUT_DTYPES:
+        raise ArgumentError("out_dtype", f"expected None, torch.bfloat16, torch.float16 or "
+                                         f"torch.float32, got {out_dtype}")
+    tensors = [x, dy, offsets, x_scale, dy_scale]
+    for name, t in zip(("x", "dy", "offsets", "x_scale", "dy_scale"), tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentError(name, f"expected a torch.Tensor, got {type(t).__name__}")
+    if out is None:
+        shape = experts_hidden_intermediate(x.shape, dy.shape, offsets.shape)
+        out = torch.empty(shape, dtype=out_dtype or torch.bfloat16, device=x.device)
+    if isinstance(out, torch.Tensor):
+        if out_dtype is not None and out_dtype != out.dtype:
+            raise ArgumentError("out_dtype", f"expected None or {out.dtype} (out's dtype), got "
+                                             f"{out_dtype}")
+        if _eager(x, dy, offsets, x_scale, dy_scale, out) or validate_offsets:
+            _fp8_launch(x, dy, offsets, x_scale, dy_scale, x_global_scale, dy_global_scale,
+                        scale_recipe, out, None, accumulate, validate_offsets)
+        else:
+            _check_arguments(x, dy, offsets, out)
+            torch.ops.gwgrad.grouped_gemm_wgrad_fp8_into.default(
+                x, dy, offsets, x_scale, dy_scale, x_global_scale, dy_global_scale,
+                scale_recipe, out, accumulate)
+        return out
+    outs = list(out)
+    if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
+        raise ArgumentError("out", "expected None, a tensor or a non-empty list of tensors")
+    if out_dtype is not None and out_dtype != outs[0].dtype:
+        raise ArgumentError("out_dtype", f"expected None or {outs[0].dtype} (out's dtype), got "
+                                         f"{out_dtype}")
+    _fp8_launch(x, dy, offsets, x_scale, dy_scale, x_global_scale, dy_global_scale,
+                scale_recipe, None, outs, accumulate, validate_offsets)
+    return outs
+
+
+wgrad_fp8.__doc__ = FP8_DOC + """
+
+    out: None (a new (num_experts, hidden, intermediate) tensor of ``out_dtype``, default
+    bfloat16), a tensor of that shape, or a list of per-expert (hidden, intermediate)
+    tensors (eager only). accumulate: add to ``out``. Offsets and the scales' capacity are
+    checked on the device (the error comes from ``gwgrad.check_errors()`` or the next call);
+    ``validate_offsets=True`` checks them on the host first. Runs on torch's current stream;
+    under ``torch.compile`` through ``torch.ops.gwgrad.grouped_gemm_wgrad_fp8_into``. Needs
+    an SM90 GPU (CPU tensors run the reference)."""
 
 
 # --- example: a grouped expert linear layer with gwgrad in its backward ---------------------

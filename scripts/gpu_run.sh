@@ -106,7 +106,7 @@ for s in $steps; do
     fp8)
       # FP8 recipes vs torch._scaled_grouped_mm, dense FP8 and gwgrad BF16 (bench/fp8.py).
       step fp8 300 || continue
-      capture "$PY" -m gwgrad.bench.fp8 --tiles "${GWGRAD_FP8_TILES-128x192,64x128}" \
+      capture "$PY" -m gwgrad.bench.fp8 --tiles "${GWGRAD_FP8_TILES-128x128}" \
         --rows "${GWGRAD_FP8_ROWS-}" --rounds ${GWGRAD_BENCH_ROUNDS:-10} \
         --time-budget $((T > 90 ? T - 60 : T / 2)) --json "$OUT/bench_fp8.json"
       tail -20 "$OUT/step.txt"

@@ -242,3 +242,53 @@ def test_scales_too_small_write_nothing(seed):
     with pytest.raises(ValueError, match="sfa_tensor"):
         gwgrad.check_errors()
     assert torch.equal(out, before)
+
+
+# --- the adapters: the same bits as the core ------------------------------------------------
+
+@pytest.mark.parametrize("recipe", ["per_expert_channel", "block_1x128"])
+def test_adapters_match_the_core(seed, recipe):
+    """torch's and CuPy's wgrad_fp8 (x, dy as token-contiguous (tokens, rows) views) give the
+    core wrapper's bits on the same inputs, into new outputs and accumulating."""
+    import gwgrad.adapters.torch as gwt
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    counts, hidden, inter = COUNTS[recipe], 256, 384
+    a, b, _, _ = operands(hidden, inter, counts, "e4m3", "e5m2", "tensor2d", gen)
+    sfa, sfb, _ = scale_inputs(recipe, hidden, inter, counts, gen, rng)
+    offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device="cuda")
+    e = len(counts)
+    gsa = torch.rand(e, generator=gen, device="cuda") + 0.5
+    gsb = torch.rand(e, generator=gen, device="cuda") + 0.5
+    core = torch.empty(e, hidden, inter, device="cuda", dtype=torch.float32)
+    gwgrad.grouped_gemm_wgrad(a, b, sfa, sfb, offs, wgrad_tensor=core, global_scale_a=gsa,
+                              global_scale_b=gsb, scale_recipe=recipe,
+                              sf_vec_size=128 if recipe == "block_1x128" else 16)
+    x, dy = a.t(), b  # (tokens, hidden) / (tokens, intermediate), token-contiguous
+    got = gwt.wgrad_fp8(x, dy, offs, sfa, sfb, scale_recipe=recipe, out_dtype=torch.float32,
+                        x_global_scale=gsa, dy_global_scale=gsb)
+    torch.cuda.synchronize()
+    assert torch.equal(got, core)
+    acc = torch.randn(e, hidden, inter, generator=gen, device="cuda")
+    want = acc.clone()
+    gwgrad.grouped_gemm_wgrad(a, b, sfa, sfb, offs, wgrad_tensor=want, global_scale_a=gsa,
+                              global_scale_b=gsb, scale_recipe=recipe, accumulate_on_output=True,
+                              sf_vec_size=128 if recipe == "block_1x128" else 16)
+    outs = list(acc.clone().unbind(0))
+    gwt.wgrad_fp8(x, dy, offs, sfa, sfb, scale_recipe=recipe, out=outs, accumulate=True,
+                  x_global_scale=gsa, dy_global_scale=gsb)
+    torch.cuda.synchronize()
+    assert torch.equal(torch.stack(outs), want)
+
+    cp = pytest.importorskip("cupy")
+    import gwgrad.adapters.cupy as gwc
+
+    xb = cp.asarray(a.view(torch.uint8)).T
+    dyb = cp.asarray(b.view(torch.uint8))
+    got_cp = gwc.wgrad_fp8(xb, dyb, cp.asarray(offs), cp.asarray(sfa), cp.asarray(sfb),
+                           scale_recipe=recipe, fp8=("e4m3", "e5m2"), out_dtype="float32",
+                           x_global_scale=cp.asarray(gsa), dy_global_scale=cp.asarray(gsb))
+    cp.cuda.get_current_stream().synchronize()
+    assert torch.equal(torch.as_tensor(got_cp, device="cuda"), core)
+    gwgrad.check_errors()

@@ -40,7 +40,12 @@ class Fp8Sm90Backend(_cutedsl.CuteDslBackend):
                 fail(name, "hidden / intermediate a multiple of 16 for FP8", value)
 
     def default_tiling(self, spec: StaticSpec):
-        return (128, 128), (1, 1)
+        # Measured on the H200 (dsv3-fc1, channel scales): 128x192 1103 TFLOP/s, 128x128
+        # 1015. The MXFP8 path keeps 128x128: its per-thread scale words leave no registers
+        # for 192 columns.
+        if spec.scale_recipe == "blocked" or spec.intermediate <= 128:
+            return (128, 128), (1, 1)
+        return (128, 192), (1, 1)
 
     def default_tuning(self, spec: StaticSpec):
         return 16, (64 if spec.wgrad_dtype.itemsize == 2 else 32)

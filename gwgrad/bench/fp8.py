@@ -218,7 +218,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--shapes", default=DEFAULT_SHAPES)
     p.add_argument("--rows", default="")
     p.add_argument("--dist", default="uniform,zipf")
-    p.add_argument("--tiles", default="128x192,64x128",
+    p.add_argument("--tiles", default="128x128",
                    help="extra FP8 tiles timed besides the default (comma-separated MxN)")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--sample-ms", type=float, default=12.0)

@@ -292,3 +292,28 @@ def test_adapters_match_the_core(seed, recipe):
     cp.cuda.get_current_stream().synchronize()
     assert torch.equal(torch.as_tensor(got_cp, device="cuda"), core)
     gwgrad.check_errors()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_invalid_offsets_write_nothing(seed, recipe):
+    """A count that is not a multiple of token_count_multiple (16 / 32), then decreasing
+    offsets: the device check refuses both launches, an accumulated FP32 output keeps every
+    byte, and the ValueError names offsets_tensor."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    counts = [64, 128, 64]
+    hidden, inter = 128, 128
+    a, b, _, _ = operands(hidden, inter, counts, "e4m3", "e4m3", "tensor2d", gen)
+    sfa, sfb, _ = scale_inputs(recipe, hidden, inter, counts, gen, rng, extra=2)
+    out = torch.randn(3, hidden, inter, generator=gen, device="cuda")
+    before = out.clone()
+    kwargs = dict(wgrad_tensor=out, accumulate_on_output=True,
+                  sf_vec_size={"blocked": 32, "block_1x128": 128}.get(recipe, 16),
+                  scale_recipe=None if recipe == "blocked" else recipe)
+    for bad in ([8, 200, 256], [128, 64, 256]):
+        offs = torch.tensor(bad, dtype=torch.int32, device="cuda")
+        gwgrad.grouped_gemm_wgrad(a, b, sfa, sfb, offs, **kwargs)
+        torch.cuda.synchronize()
+        with pytest.raises(ValueError, match="offsets_tensor"):
+            gwgrad.check_errors()
+    assert torch.equal(out, before)

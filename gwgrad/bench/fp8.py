@@ -150,6 +150,7 @@ def run_row(shape: Dict, dist: str, rounds: int, sample_ms: float, tiles: List) 
         add(f"fp8_{recipe}", lambda r=recipe: inp.runner(r))
         for tile in tiles:
             add(f"fp8_{recipe}_{tile[0]}x{tile[1]}", lambda r=recipe, t=tile: inp.runner(r, t))
+    row["tiles"] = {k: "{}x{}".format(*f.tile) for k, f in fns.items() if hasattr(f, "tile")}
     add("torch_scaled_grouped_mm", inp.torch_scaled_grouped)
     add("dense_fp8", inp.dense_fp8)
     # Correctness: the channel recipe against torch._scaled_grouped_mm (same semantics).
@@ -212,6 +213,39 @@ def table(rows: List[Dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown(rows: List[Dict]) -> str:
+    """The README's table of the rows (TFLOP/s, each recipe at its best tile; ratios)."""
+    lines = ["| shape | tokens | gwgrad BF16 | FP8 channel (tile) | FP8 1x128 (tile) | MXFP8 | "
+             "`torch._scaled_grouped_mm` | dense FP8 `_scaled_mm` | channel / torch | "
+             "channel / dense FP8 | channel / BF16 | 1x128 / BF16 | MXFP8 / BF16 |",
+             "|" + "---|" * 13]
+    for r in rows:
+        if "error" in r or not r.get("ratios"):
+            continue
+        m, ra = r["methods"], r["ratios"]
+
+        def tf(k):
+            return f"{m[k]['tflops']:.0f}" if "tflops" in m.get(k, {}) else "-"
+
+        def best(recipe):
+            b = r.get(f"{recipe}_best")
+            if not b:
+                return "-"
+            tile = r.get("tiles", {}).get(b["method"], "?")
+            return f"{b['tflops']:.0f} ({tile})"
+
+        def ratio(k):
+            return f"{ra[k]:.2f}" if k in ra else "-"
+
+        lines.append(
+            f"| {r['name']} | {r['dist']} | {tf('gwgrad_bf16')} | {best('channel')} | "
+            f"{best('1x128')} | {best('mx')} | {tf('torch_scaled_grouped_mm')} | "
+            f"{tf('dense_fp8')} | {ratio('channel_vs_torch_scaled_grouped_mm')} | "
+            f"{ratio('channel_vs_dense_fp8')} | {ratio('channel_vs_gwgrad_bf16')} | "
+            f"{ratio('1x128_vs_gwgrad_bf16')} | {ratio('mx_vs_gwgrad_bf16')} |")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gwgrad.bench.fp8",
                                 description=__doc__.split("\n\n")[0])
@@ -225,6 +259,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--time-budget", type=float, default=0.0,
                    help="seconds; rows not started within it are skipped (0: no limit)")
     p.add_argument("--json", default="bench_fp8.json")
+    p.add_argument("--markdown", action="store_true", help="also print the README's table")
     args = p.parse_args(argv)
     start = time.monotonic()
     with open(args.shapes) as f:
@@ -245,6 +280,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"rows": rows}, f, indent=1)
     print(table(rows))
+    if args.markdown:
+        print(markdown(rows))
     return 0
 
 

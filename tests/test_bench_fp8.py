@@ -1,0 +1,32 @@
+"""The FP8 benchmark's reporting (gwgrad/bench/fp8.py) on synthetic rows; the timing itself
+needs an SM90 GPU (scripts/gpu_run.sh fp8)."""
+
+from gwgrad.bench import fp8
+
+
+def _row(name="dsv3-fc1", **tflops):
+    methods = {k: {"ms": 1.0, "tflops": v} for k, v in tflops.items()}
+    row = {"name": name, "dist": "uniform", "methods": methods,
+           "tiles": {"fp8_channel": "128x192", "fp8_1x128": "128x192", "fp8_mx": "128x128",
+                     "fp8_mx_64x128": "64x128"}}
+    t = {k: v for k, v in tflops.items()}
+    for recipe in ("channel", "1x128", "mx"):
+        cands = {k: v for k, v in t.items() if k.startswith(f"fp8_{recipe}")}
+        best = max(cands, key=cands.get)
+        row[f"{recipe}_best"] = {"method": best, "tflops": cands[best]}
+        for comp in ("gwgrad_bf16", "torch_scaled_grouped_mm", "dense_fp8"):
+            row.setdefault("ratios", {})[f"{recipe}_vs_{comp}"] = cands[best] / t[comp]
+    return row
+
+
+def test_tables_show_each_recipe_at_its_best_tile():
+    row = _row(gwgrad_bf16=700, fp8_channel=1200, fp8_1x128=840, fp8_mx=150, fp8_mx_64x128=180,
+               torch_scaled_grouped_mm=960, dense_fp8=1400)
+    text = fp8.table([row])
+    assert "1200" in text and "1.25" in text  # channel / torch
+    md = fp8.markdown([row, {"name": "x", "dist": "zipf", "error": "skipped"}])
+    lines = md.splitlines()
+    assert len(lines) == 3  # header, rule, one row (the error row is left out)
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[3] == "1200 (128x192)" and cells[5] == "180 (64x128)"
+    assert cells[8] == "1.25" and cells[10] == "1.71" and cells[12] == "0.26"

@@ -88,7 +88,7 @@ for s in $steps; do
       grep -E "^(fail|TIMEOUT|missing)|^summary" "$OUT/step.txt" | tail -14
       done_step tests $rc ;;
     examples)
-      for ex in examples/torch_moe_layer.py examples/jax_moe_layer.py examples/cupy_research.py; do
+      for ex in examples/torch_moe_layer.py examples/torch_fp8_wgrad.py examples/jax_moe_layer.py examples/cupy_research.py; do
         step "$ex" 120 || continue
         timeout "$T" "$PY" "$ex" >> "$LOG" 2>&1; done_step "$ex" $?
       done ;;

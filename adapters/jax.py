@@ -29,14 +29,21 @@ them in gwgrad's status record and computes nothing (with ``accumulate=True`` th
 ``ValueError`` naming ``offsets_tensor`` is raised by ``gwgrad.check_errors()`` after the
 computation (it waits for the devices), or by the next gwgrad call in the process.
 
+``wgrad_fp8`` is the FP8 counterpart (a second primitive, the same two lowerings): ``xt``
+(hidden, tokens) and ``dyt`` (intermediate, tokens), FP8 and row-major, i.e. quantized
+column-wise, since Hopper's FP8 kernel reads token-contiguous operands (``xt`` is the
+contract's K-major ``a_tensor``, ``dyt.T`` its K-major ``b_tensor``), with FP32 scales
+("per_expert_channel" or "block_1x128"). SM90 GPUs; the CPU runs its jnp reference.
+
 ``grouped_linear`` is a ``jax.custom_vjp`` example: a grouped expert linear layer whose
 weight gradient is gwgrad's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Tuple
+from typing import Iterator, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -47,13 +54,16 @@ from jax.interpreters import mlir
 from gwgrad import backends, cuda, offsets as offsets_rules, status
 from gwgrad.dsl import shielded_argv
 from gwgrad.dtypes import as_dtype
+from gwgrad.errors import ArgumentError
+from gwgrad.scales import BLOCK_1X128, BLOCK_TOKENS
 from gwgrad.spec import StaticSpec
 from gwgrad.tensors import TensorDesc
-from gwgrad.validation import build_spec
+from gwgrad.validation import build_spec, scale_capacity
 
-from ._common import adapter_names, experts_hidden_intermediate
+from ._common import FP8_DOC, FP8_RECIPES, NAMES, adapter_names, experts_hidden_intermediate
 
-__all__ = ["wgrad", "reference_wgrad", "grouped_linear", "grouped_mm"]
+__all__ = ["wgrad", "wgrad_fp8", "reference_wgrad", "reference_wgrad_fp8", "grouped_linear",
+           "grouped_mm"]
 
 _wgrad_p = Primitive("gwgrad_grouped_gemm_wgrad")
 
@@ -265,6 +275,335 @@ def wgrad(x, dy, offsets, *, out=None, accumulate: bool = False, out_dtype=None)
                              f"{(experts, hidden, inter)}, got {tuple(out.shape)}")
         return _wgrad_p.bind(x, dy, offsets, out, out_dtype=out_dtype, accumulate=True)
     return _wgrad_p.bind(x, dy, offsets, out_dtype=out_dtype, accumulate=False)
+
+
+# --- FP8: wgrad_fp8 -------------------------------------------------------------------------
+
+_wgrad_fp8_p = Primitive("gwgrad_grouped_gemm_wgrad_fp8")
+
+#: The core's argument names as ``wgrad_fp8`` calls them: ``xt`` is the contract's a_tensor
+#: itself, ``dyt.T`` its b_tensor.
+_FP8_NAMES = dict(NAMES, a_tensor="xt (a_tensor)", b_tensor="dyt (b_tensor = dyt.T)")
+_FP8_OPERANDS = ("float8_e4m3fn", "float8_e5m2")
+
+
+@contextlib.contextmanager
+def _fp8_names() -> Iterator[None]:
+    """Re-raise the core's ArgumentErrors under wgrad_fp8's argument names."""
+    try:
+        yield
+    except ArgumentError as exc:
+        renamed = exc.renamed(_FP8_NAMES)
+        if renamed is exc:
+            raise
+        raise renamed from None
+
+
+def _fp8_dims(xt_shape, dyt_shape, off_shape) -> Tuple[int, int, int]:
+    """(num_experts, hidden, intermediate), or ArgumentError naming xt / dyt / offsets."""
+    if len(xt_shape) != 2:
+        raise ArgumentError("xt", f"expected 2 dims (hidden, tokens), got shape "
+                                  f"{tuple(xt_shape)}")
+    if len(dyt_shape) != 2:
+        raise ArgumentError("dyt", f"expected 2 dims (intermediate, tokens), got shape "
+                                   f"{tuple(dyt_shape)}")
+    if len(off_shape) != 1:
+        raise ArgumentError("offsets", f"expected shape (num_experts,), got shape "
+                                       f"{tuple(off_shape)}")
+    return int(off_shape[0]), int(xt_shape[0]), int(dyt_shape[0])
+
+
+def _signature(v) -> Optional[Tuple[Tuple[int, ...], np.dtype]]:
+    """(shape, dtype) of an array or aval (hashable: the CUDA lowering's cache key)."""
+    return None if v is None else (tuple(int(d) for d in v.shape), np.dtype(v.dtype))
+
+
+def _row_major(shape) -> Tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))
+
+
+def _fp8_spec(xt, dyt, offsets, x_scale, dy_scale, x_global_scale, dy_global_scale, *,
+              scale_recipe: str, out_dtype, accumulate: bool,
+              arch: str) -> Tuple[StaticSpec, TensorDesc]:
+    """The static spec of a wgrad_fp8 call and the x_scale descriptor (its scale capacity),
+    checked by the core (ArgumentError naming the argument). Every argument is a (shape,
+    dtype) pair (``_signature``); the global scales may be None.
+
+    JAX arrays are row-major: xt's (hidden, tokens) buffer is A itself, K-major (strides
+    (tokens, 1)), and dyt's (intermediate, tokens) buffer is B = dyt.T, K-major (strides
+    (1, tokens)). Addresses are 0: only shapes, strides and dtypes matter here.
+    """
+    if scale_recipe not in FP8_RECIPES:
+        raise ArgumentError("scale_recipe", f"expected one of {sorted(FP8_RECIPES)}, got "
+                                            f"{scale_recipe!r}")
+    experts, hidden, inter = _fp8_dims(xt[0], dyt[0], offsets[0])
+    for name, (_, dtype) in (("xt", xt), ("dyt", dyt)):
+        if np.dtype(dtype).name not in _FP8_OPERANDS:
+            raise ArgumentError(name, f"expected dtype float8_e4m3fn or float8_e5m2, got "
+                                      f"{np.dtype(dtype)}")
+    for name, (_, dtype) in (("x_scale", x_scale), ("dy_scale", dy_scale)):
+        if np.dtype(dtype) != np.float32:
+            raise ArgumentError(name, f"expected float32 scales ({scale_recipe}), got "
+                                      f"{np.dtype(dtype)}")
+
+    def desc(sig, name, shape=None, strides=None):
+        if sig is None:
+            return None
+        shape = sig[0] if shape is None else shape
+        return TensorDesc(0, tuple(shape), strides or _row_major(shape),
+                          as_dtype(sig[1], name), "cuda", 0, "jax")
+
+    tokens_b = int(dyt[0][1])
+    with _fp8_names():
+        a = desc(xt, "a_tensor")
+        b = desc(dyt, "b_tensor", (tokens_b, inter), (1, tokens_b))
+        off = desc(offsets, "offsets_tensor")
+        sfa, sfb = desc(x_scale, "sfa_tensor"), desc(dy_scale, "sfb_tensor")
+        gsa = desc(x_global_scale, "global_scale_a")
+        gsb = desc(dy_global_scale, "global_scale_b")
+        out = as_dtype(out_dtype, "wgrad_dtype")
+        wgrad = None
+        if accumulate:  # the output is an operand then: its layout is checked too
+            wgrad = TensorDesc(0, (experts, hidden, inter), (hidden * inter, inter, 1), out,
+                               "cuda", 0, "jax")
+        spec = build_spec(a=a, b=b, offsets=off, sfa=sfa, sfb=sfb, global_scale_a=gsa,
+                          global_scale_b=gsb, wgrad=wgrad, wgrad_dtype=out,
+                          accumulate=accumulate, arch=arch, scale_recipe=scale_recipe,
+                          sf_vec_size=FP8_RECIPES[scale_recipe])
+    return spec, sfa
+
+
+def _fp8_abstract_eval(xt, dyt, offsets, x_scale, dy_scale, gx, gdy, *out, scale_recipe,
+                       out_dtype, accumulate):
+    shape = _fp8_dims(xt.shape, dyt.shape, offsets.shape)
+    operands = (xt, dyt, offsets, x_scale, dy_scale, gx, gdy, *out)
+    vma = frozenset().union(*(getattr(v, "vma", frozenset()) for v in operands))
+    try:
+        return jax.core.ShapedArray(shape, out_dtype, vma=vma)
+    except TypeError:  # a JAX without varying-manual-axes types
+        return jax.core.ShapedArray(shape, out_dtype)
+
+
+_wgrad_fp8_p.def_abstract_eval(_fp8_abstract_eval)
+try:
+    _wgrad_fp8_p.def_impl(functools.partial(_apply_primitive, _wgrad_fp8_p))
+except NameError:  # pragma: no cover - then only jitted calls work
+    pass
+
+
+def _fp8_offsets_problem(offsets, tokens: int, multiple: int, capacity: Optional[int]):
+    """(code, expert, value, previous) of the first problem, as gwgrad.offsets.find_problem
+    (and the prep kernel) report it: a negative count, the last offset, a count not a
+    multiple of ``multiple``, then (``capacity``: block_1x128's scale rows R) the first expert
+    whose scale rows end past R; code 0 when there is none."""
+    num = offsets.shape[0]
+    prev = jnp.concatenate([jnp.zeros((1,), offsets.dtype), offsets[:-1]])
+    index = jnp.arange(num, dtype=jnp.int32)
+    counts = offsets - prev
+    first_negative = jnp.min(jnp.where(offsets < prev, index, num))
+    last_bad = offsets[-1] != tokens
+    first_not_multiple = jnp.min(jnp.where(counts % multiple != 0, index, num))
+    negative, not_multiple = first_negative < num, first_not_multiple < num
+    code = jnp.where(negative, offsets_rules.NEGATIVE_COUNT,
+                     jnp.where(last_bad, offsets_rules.LAST_NOT_TOKENS_SUM,
+                               jnp.where(not_multiple, offsets_rules.COUNT_NOT_MULTIPLE, 0)))
+    expert = jnp.where(negative, first_negative,
+                       jnp.where(last_bad, num - 1,
+                                 jnp.where(not_multiple, first_not_multiple, 0)))
+    code, expert = code.astype(jnp.int32), expert.astype(jnp.int32)
+    value, previous = offsets[expert], prev[expert]
+    if capacity is not None:
+        cumulative = jnp.cumsum((jnp.maximum(counts, 0) + (BLOCK_TOKENS - 1)) // BLOCK_TOKENS)
+        first_over = jnp.min(jnp.where(cumulative > capacity, index, num))
+        too_small = (code == 0) & (first_over < num)
+        over = jnp.minimum(first_over, num - 1).astype(jnp.int32)
+        code = jnp.where(too_small, offsets_rules.SCALES_TOO_SMALL, code).astype(jnp.int32)
+        expert = jnp.where(too_small, over, expert)
+        value = jnp.where(too_small, cumulative[over], value)
+        previous = jnp.where(too_small, capacity, previous)
+    return code, expert, value, previous
+
+
+def _record_fp8_problem(code, expert, value, prev, tokens, multiple):
+    if int(code):
+        status.record(int(code), int(expert), int(value), int(prev), int(tokens), int(multiple))
+
+
+def reference_wgrad_fp8(xt, dyt, offsets, x_scale, dy_scale, x_global_scale=None,
+                        dy_global_scale=None, out=None, *, scale_recipe: str,
+                        out_dtype=jnp.bfloat16, accumulate: bool = False):
+    """The jnp reference of ``wgrad_fp8`` (its CPU lowering): each operand dequantized with its
+    expert's scales (FP32), one FP32 matmul per expert at HIGHEST precision (``lax.map``),
+    times ``alpha_e``, accumulated and rounded once to ``out_dtype``.
+
+    Invalid offsets (and, for block_1x128, a scale tensor with fewer rows than the offsets
+    need) are recorded for ``gwgrad.check_errors()`` (a host callback) and compute nothing:
+    ``out`` when accumulating, else NaN.
+    """
+    hidden, tokens = xt.shape
+    inter = dyt.shape[0]
+    num = offsets.shape[0]
+    multiple = 16  # offsets.token_count_multiple of the FP32 recipes
+    capacity = int(x_scale.shape[0]) if scale_recipe == BLOCK_1X128 else None
+    code, expert, value, prev = _fp8_offsets_problem(offsets, tokens, multiple, capacity)
+    jax.debug.callback(_record_fp8_problem, code, expert, value, prev, tokens, multiple)
+    end = jnp.clip(offsets, 0, tokens)
+    begin = jnp.concatenate([jnp.zeros((1,), end.dtype), end[:-1]])
+    end = jnp.maximum(end, begin)
+    t = jnp.arange(tokens, dtype=end.dtype)
+    # Every token's expert (valid offsets: the e with begin_e <= t < end_e) and its scales.
+    owner = jnp.clip(jnp.searchsorted(end, t, side="right"), 0, num - 1)
+    if scale_recipe == BLOCK_1X128:
+        blocks = (end - begin + (BLOCK_TOKENS - 1)) // BLOCK_TOKENS
+        starts = jnp.concatenate([jnp.zeros((1,), blocks.dtype), jnp.cumsum(blocks)[:-1]])
+        row = starts[owner] + (t - begin[owner]) // BLOCK_TOKENS
+        row = jnp.clip(row, 0, max(capacity - 1, 0))
+        xs, dys = x_scale[row], dy_scale[row]  # (tokens, hidden), (tokens, intermediate)
+    else:
+        xs = x_scale.reshape(num, hidden)[owner]
+        dys = dy_scale.reshape(num, inter)[owner]
+    xd = xt.astype(jnp.float32) * xs.T    # (hidden, tokens)
+    dyd = dyt.astype(jnp.float32) * dys.T  # (intermediate, tokens)
+    alpha = jnp.ones((num,), jnp.float32)
+    if x_global_scale is not None:
+        alpha = x_global_scale.astype(jnp.float32) * dy_global_scale.astype(jnp.float32)
+
+    def one_expert(args):
+        lo, hi, a = args
+        cols = ((t >= lo) & (t < hi))[None, :]
+        w = jnp.matmul(jnp.where(cols, xd, 0.0), jnp.where(cols, dyd, 0.0).T,
+                       precision=jax.lax.Precision.HIGHEST)
+        return w * a
+
+    w = jax.lax.map(one_expert, (begin, end, alpha))
+    if accumulate:
+        w = out.astype(jnp.float32) + w
+    invalid_result = out.astype(jnp.float32) if accumulate else jnp.full_like(w, jnp.nan)
+    return jnp.where(code == 0, w, invalid_result).astype(out_dtype)
+
+
+def _fp8_cpu_lowering(ctx, *args, scale_recipe, out_dtype, accumulate):
+    fun = functools.partial(reference_wgrad_fp8, scale_recipe=scale_recipe, out_dtype=out_dtype,
+                            accumulate=accumulate)
+    return mlir.lower_fun(lambda *a: fun(*a), multiple_results=False)(ctx, *args)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_cutlass_call(signatures: Tuple, scale_recipe: str, out_dtype, accumulate: bool,
+                      arch: str):
+    """The cutlass_call of one static wgrad_fp8 signature (built once per process)."""
+    import cutlass.jax as cutlass_jax
+
+    if not cutlass_jax.is_available():
+        raise RuntimeError("the CuTe DSL's JAX support (cutlass.jax) is unavailable with this "
+                           f"JAX {jax.__version__}; gwgrad's JAX custom call needs it")
+    request, sfa = _fp8_spec(*signatures, scale_recipe=scale_recipe, out_dtype=out_dtype,
+                             accumulate=accumulate, arch=arch)
+    spec, backend = backends.finalize_spec(request)
+    make_kernel = getattr(backend, "make_kernel", None)
+    if make_kernel is None:
+        raise RuntimeError(f"the {backend.name} backend has no JAX entry point yet "
+                           "(make_kernel)")
+    kernel = make_kernel(spec)
+    options = getattr(backend, "compile_options", None)
+    options = options(spec) if options is not None else f"--gpu-arch {spec.arch}"
+    outputs = (jax.ShapeDtypeStruct((spec.num_experts, spec.hidden, spec.intermediate),
+                                    out_dtype),
+               jax.ShapeDtypeStruct((backend.workspace_bytes(spec),), jnp.uint8))
+    return cutlass_jax.cutlass_call(
+        kernel.call_tensors,  # ScaledEntryPoints.call_tensors
+        output_shape_dtype=outputs,
+        # Inputs xt, dyt, offsets, x_scale, dy_scale, gx, gdy [, out]: accumulating, the
+        # output comes in as input 7 and leaves as output 0, in place.
+        input_output_aliases={7: 0} if accumulate else None,
+        allow_cuda_graph=True,
+        compile_options=options,
+        compile_key=("gwgrad", type(kernel).__module__, type(kernel).__qualname__, spec),
+        tokens_sum=int(signatures[0][0][1]),
+        grid_size=backend.grid_size(kernel, spec),
+        status_address=_status_address(),
+        sf_capacity=scale_capacity(spec, sfa),
+    )
+
+
+def _fp8_cuda_lowering(ctx, *args, scale_recipe, out_dtype, accumulate):
+    signatures = tuple(_signature(v) for v in ctx.avals_in[:7])
+    with shielded_argv():  # the CuTe DSL compiles here and reads sys.argv
+        call = _fp8_cutlass_call(signatures, scale_recipe, np.dtype(out_dtype), accumulate,
+                                 backends.detect_arch(0))
+        return mlir.lower_fun(lambda *a: call(*a)[0], multiple_results=False)(ctx, *args)
+
+
+mlir.register_lowering(_wgrad_fp8_p, _fp8_cpu_lowering, platform="cpu")
+mlir.register_lowering(_wgrad_fp8_p, _fp8_cuda_lowering, platform="cuda")
+try:
+    prim_requires_devices_during_lowering.add(_wgrad_fp8_p)
+except NameError:  # pragma: no cover
+    pass
+
+
+def wgrad_fp8(xt, dyt, offsets, x_scale, dy_scale, *, scale_recipe: str, out=None,
+              accumulate: bool = False, out_dtype=None, x_global_scale=None,
+              dy_global_scale=None):
+    if accumulate and out is None:
+        raise ArgumentError("out", "expected an initialized output to accumulate into "
+                                   "(accumulate=True adds to it), got None")
+    if out is not None and not accumulate:
+        raise ArgumentError("out", "expected None unless accumulate=True (JAX arrays are "
+                                   "immutable: the result is returned), got an array")
+    if out is not None:
+        if out_dtype is not None and np.dtype(out_dtype) != np.dtype(out.dtype):
+            raise ArgumentError("out_dtype", f"expected None or {out.dtype} (out's dtype), "
+                                             f"got {np.dtype(out_dtype)}")
+        out_dtype = out.dtype
+    out_dtype = np.dtype(jnp.bfloat16 if out_dtype is None else out_dtype)
+    xt, dyt, offsets = jnp.asarray(xt), jnp.asarray(dyt), jnp.asarray(offsets)
+    x_scale, dy_scale = jnp.asarray(x_scale), jnp.asarray(dy_scale)
+    gx = None if x_global_scale is None else jnp.asarray(x_global_scale)
+    gdy = None if dy_global_scale is None else jnp.asarray(dy_global_scale)
+    # The contract's checks at trace time, so a bad call fails where it is written.
+    _fp8_spec(*(_signature(v) for v in (xt, dyt, offsets, x_scale, dy_scale, gx, gdy)),
+              scale_recipe=scale_recipe, out_dtype=out_dtype, accumulate=accumulate, arch="")
+    experts, hidden, inter = _fp8_dims(xt.shape, dyt.shape, offsets.shape)
+    if gx is None:  # one kernel signature: no global scales are ones (the same results)
+        gx = gdy = jnp.ones((experts,), jnp.float32)
+    params = dict(scale_recipe=scale_recipe, out_dtype=out_dtype)
+    if out is not None:
+        out = jnp.asarray(out)
+        if tuple(out.shape) != (experts, hidden, inter):
+            raise ArgumentError("out", f"expected shape (num_experts, hidden, intermediate) = "
+                                       f"{(experts, hidden, inter)}, got {tuple(out.shape)}")
+        return _wgrad_fp8_p.bind(xt, dyt, offsets, x_scale, dy_scale, gx, gdy, out,
+                                 accumulate=True, **params)
+    return _wgrad_fp8_p.bind(xt, dyt, offsets, x_scale, dy_scale, gx, gdy, accumulate=False,
+                             **params)
+
+
+wgrad_fp8.__doc__ = FP8_DOC.replace(
+    "x: (tokens, hidden), dy: (tokens, intermediate), float8_e4m3fn or float8_e5m2 (they may\n"
+    "    differ), stored token-contiguous: x is the transpose view of a (hidden, tokens) "
+    "row-major\n    array (``xt.T``; strides (1, tokens)), dy likewise, as Hopper's FP8 tensor "
+    "cores read them\n    (quantize x and dy column-wise).",
+    "xt: (hidden, tokens), dyt: (intermediate, tokens), float8_e4m3fn or float8_e5m2 (they\n"
+    "    may differ), row-major JAX arrays: the transposes of x (tokens, hidden) and dy (tokens,\n"
+    "    intermediate), quantized column-wise, because Hopper's FP8 tensor cores read\n"
+    "    token-contiguous operands (``xt`` is the contract's K-major a_tensor, ``dyt.T`` its\n"
+    "    K-major b_tensor). Every expert's token count must be a multiple of 16.\n   ",
+).replace("(x[t, :] * sx)^T (dy[t, :] * sdy)", "(xt[:, t] * sx) (dyt[:, t] * sdy)^T") + """
+
+    out: None (a new (num_experts, hidden, intermediate) array of ``out_dtype``, default
+    bfloat16) or, with ``accumulate=True``, the array to add to (``out + W`` is returned,
+    computed in place of ``out``: donate it to the enclosing jit to avoid a copy).
+    Works under ``jax.jit`` (and eagerly): on CUDA (SM90) the kernel as an XLA custom call,
+    on the CPU a jnp reference with the same semantics. Invalid offsets, and a block_1x128
+    scale tensor with fewer rows than the offsets need, are checked on the device: nothing is
+    computed (NaN on the CPU, ``out`` unchanged when accumulating) and the ValueError comes
+    from ``gwgrad.check_errors()`` or the next gwgrad call. ``tokens`` is static: each distinct
+    token count (and scale row count R) compiles its own kernel."""
 
 
 # --- example: a grouped expert linear layer whose weight gradient is gwgrad's ---------------

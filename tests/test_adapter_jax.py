@@ -225,3 +225,222 @@ def test_shard_map_over_two_cpu_devices():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+# --- wgrad_fp8 -------------------------------------------------------------------------------
+
+FP8_HIDDEN, FP8_INTER = 32, 48
+# Multiples of 16 (the FP8 rule), not all of 128 (block_1x128's last blocks are short), one empty.
+FP8_COUNTS = [48, 0, 160, 272]
+FP8 = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+
+
+def fp8_inputs(rng, recipe, counts=FP8_COUNTS, x_fmt="e4m3", dy_fmt="e5m2", extra_rows=1):
+    """xt (hidden, tokens), dyt (intermediate, tokens) FP8, offsets, and the recipe's float32
+    scales (block_1x128: ``extra_rows`` unused rows past the experts' ones)."""
+    offsets = np.cumsum(counts).astype(np.int32)
+    tokens = int(offsets[-1])
+    xt = jnp.asarray(2 * rng.standard_normal((FP8_HIDDEN, tokens)), FP8[x_fmt])
+    dyt = jnp.asarray(2 * rng.standard_normal((FP8_INTER, tokens)), FP8[dy_fmt])
+    rows = len(counts)
+    if recipe == "block_1x128":
+        rows = sum(-(-c // 128) for c in counts) + extra_rows
+    xs = jnp.asarray(rng.random((rows, FP8_HIDDEN)) + 0.25, jnp.float32)
+    dys = jnp.asarray(rng.random((rows, FP8_INTER)) + 0.25, jnp.float32)
+    return xt, dyt, jnp.asarray(offsets), xs, dys
+
+
+def fp8_reference(xt, dyt, offsets, xs, dys, recipe, gx=None, gdy=None):
+    """float64 loop over the experts of the dequantized inputs (gwgrad/scales.py's recipes)."""
+    xt = np.asarray(xt.astype(jnp.float32), np.float64)
+    dyt = np.asarray(dyt.astype(jnp.float32), np.float64)
+    xs, dys = np.asarray(xs, np.float64), np.asarray(dys, np.float64)
+    bounds = [0] + [int(v) for v in np.asarray(offsets)]
+    out, first_row = [], 0
+    for e, (s, t) in enumerate(zip(bounds, bounds[1:])):
+        if recipe == "per_expert_channel":
+            sx, sdy = xs[e][:, None], dys[e][:, None]
+        else:  # expert e's j-th 128-token block is row first_row + j
+            rows = first_row + np.arange(t - s) // 128
+            sx, sdy = xs[rows].T, dys[rows].T
+            first_row += -(-(t - s) // 128)
+        w = (xt[:, s:t] * sx) @ (dyt[:, s:t] * sdy).T
+        if gx is not None:
+            w = w * (float(gx[e]) * float(gdy[e]))
+        out.append(w)
+    return np.stack(out)
+
+
+RECIPES = ["per_expert_channel", "block_1x128"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_fp8_cpu_lowering_against_reference(rng, recipe, out_dtype):
+    xt, dyt, offsets, xs, dys = fp8_inputs(rng, recipe)
+    want = fp8_reference(xt, dyt, offsets, xs, dys, recipe)
+    f = jax.jit(lambda *a: gwj.wgrad_fp8(*a, scale_recipe=recipe, out_dtype=out_dtype))
+    w = f(xt, dyt, offsets, xs, dys)
+    assert w.dtype == out_dtype and w.shape == (4, FP8_HIDDEN, FP8_INTER)
+    assert rel_err(w, want) < (1e-6 if out_dtype == jnp.float32 else 1e-2)
+    assert not np.asarray(w[1].astype(jnp.float32)).any()  # the empty expert is zeros
+    # eagerly too (the primitive compiles alone)
+    eager = gwj.wgrad_fp8(xt, dyt, offsets, xs, dys, scale_recipe=recipe, out_dtype=out_dtype)
+    assert rel_err(eager, want) < 1e-2
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_global_scales_formats_and_accumulate(rng, recipe):
+    xt, dyt, offsets, xs, dys = fp8_inputs(rng, recipe, x_fmt="e5m2", dy_fmt="e4m3")
+    gx = jnp.asarray(rng.random(4) + 0.5, jnp.float32)
+    gdy = jnp.asarray(rng.random(4) + 0.5, jnp.float32)
+    want = fp8_reference(xt, dyt, offsets, xs, dys, recipe, np.asarray(gx), np.asarray(gdy))
+    base = jnp.asarray(rng.standard_normal((4, FP8_HIDDEN, FP8_INTER)), jnp.float32)
+    f = jax.jit(lambda xt, dyt, o, xs, dys, gx, gdy, out: gwj.wgrad_fp8(
+        xt, dyt, o, xs, dys, scale_recipe=recipe, out=out, accumulate=True,
+        x_global_scale=gx, dy_global_scale=gdy), donate_argnums=7)
+    w = f(xt, dyt, offsets, xs, dys, gx, gdy, base.copy())
+    assert w.dtype == jnp.float32
+    assert rel_err(w, want + np.asarray(base, np.float64)) < 1e-6
+    g = jax.jit(lambda *a: gwj.wgrad_fp8(*a[:5], scale_recipe=recipe, out_dtype=jnp.float32,
+                                         x_global_scale=a[5], dy_global_scale=a[6]))
+    assert rel_err(g(xt, dyt, offsets, xs, dys, gx, gdy), want) < 1e-6
+    # Same shapes, other counts: the same executable, the new ranges (and scale rows).
+    other = jnp.asarray(np.cumsum([0, 208, 256, 16]).astype(np.int32))
+    assert rel_err(g(xt, dyt, other, xs, dys, gx, gdy),
+                   fp8_reference(xt, dyt, other, xs, dys, recipe, np.asarray(gx),
+                                 np.asarray(gdy))) < 1e-6
+
+
+@pytest.mark.parametrize("recipe,values,argument,message", [
+    ("per_expert_channel", [-16, 120, 60, 480], "offsets_tensor", r"offsets_tensor\[0\] = -16"),
+    ("block_1x128", [16, 128, 64, 480], "offsets_tensor",
+     r"non-decreasing offsets, got offsets_tensor\[2\] = 64 after offsets_tensor\[1\] = 128"),
+    ("per_expert_channel", [16, 32, 48, 464], "offsets_tensor",
+     r"last offset to equal tokens_sum = 480"),
+    ("block_1x128", [48, 56, 208, 480], "offsets_tensor",
+     r"multiple of 16 .*got 8 tokens for expert 1"),
+    # Valid offsets needing more scale rows than x_scale has: 1 + 1 + 1 + 4 > 5.
+    ("block_1x128", [16, 32, 48, 480], "sfa_tensor",
+     r"at least 7 scale rows for experts 0..3 .*got 5"),
+])
+def test_fp8_invalid_offsets_are_reported_and_compute_nothing(rng, recipe, values, argument,
+                                                                message):
+    xt, dyt, _, xs, dys = fp8_inputs(rng, recipe)  # 480 tokens
+    if recipe == "block_1x128":  # R = 5 >= ceil(480 / 128): the shape check passes
+        xs, dys = xs[:5], dys[:5]
+    bad = jnp.asarray(np.array(values, np.int32))
+    gwgrad.check_errors()  # nothing pending
+    f = jax.jit(lambda *a: gwj.wgrad_fp8(*a, scale_recipe=recipe, out_dtype=jnp.float32))
+    assert np.isnan(np.asarray(f(xt, dyt, bad, xs, dys))).all()
+    with pytest.raises(ValueError, match=f"^{argument}: expected .*" + message):
+        gwgrad.check_errors()
+    gwgrad.check_errors()  # reported once
+    base = jnp.asarray(rng.standard_normal((4, FP8_HIDDEN, FP8_INTER)), jnp.float32)
+    g = jax.jit(lambda xt, dyt, o, xs, dys, base: gwj.wgrad_fp8(
+        xt, dyt, o, xs, dys, scale_recipe=recipe, out=base, accumulate=True))
+    np.testing.assert_array_equal(np.asarray(g(xt, dyt, bad, xs, dys, base)), np.asarray(base))
+    with pytest.raises(ValueError, match=f"^{argument}:"):
+        gwgrad.check_errors()
+
+
+def test_fp8_errors_name_the_adapter_arguments(rng):
+    xt, dyt, offsets, xs, dys = fp8_inputs(rng, "per_expert_channel")
+
+    def call(xt=xt, dyt=dyt, offsets=offsets, xs=xs, dys=dys, **kw):
+        kw.setdefault("scale_recipe", "per_expert_channel")
+        return gwj.wgrad_fp8(xt, dyt, offsets, xs, dys, **kw)
+
+    with pytest.raises(ValueError, match=r"^scale_recipe: .*'blocked'"):
+        call(scale_recipe="blocked")
+    with pytest.raises(ValueError, match=r"^xt: .*float8_e4m3fn or float8_e5m2, got bfloat16"):
+        call(xt=xt.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"^dyt: .*float8_e4m3fn or float8_e5m2, got float32"):
+        call(dyt=dyt.astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"^xt: expected 2 dims \(hidden, tokens\)"):
+        call(xt=xt[None])
+    with pytest.raises(ValueError, match=r"^dyt \(b_tensor = dyt.T\): .*tokens_sum = 480"):
+        call(dyt=dyt[:, :-16])
+    with pytest.raises(ValueError, match=r"^xt \(a_tensor\): .*multiple of 16"):
+        call(xt=xt[:-8])
+    with pytest.raises(ValueError, match=r"^xt \(a_tensor\): .*tokens_sum .*multiple of 16"):
+        call(xt=xt[:, :-8], dyt=dyt[:, :-8],
+             offsets=jnp.asarray(np.array([48, 48, 208, 472], np.int32)))
+    with pytest.raises(ValueError, match=r"^offsets: .*int32"):
+        call(offsets=offsets.astype(jnp.int16))
+    with pytest.raises(ValueError, match=r"^x_scale: expected float32"):
+        call(xs=xs.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"^x_scale \(sfa_tensor\): .*\(num_experts, hidden\)"):
+        call(xs=xs[:, :-1])
+    with pytest.raises(ValueError, match=r"^dy_scale \(sfb_tensor\): .*\(num_experts, "
+                                         r"intermediate\)"):
+        call(dys=dys[:-1])
+    rows = jnp.ones((5, FP8_HIDDEN), jnp.float32)
+    with pytest.raises(ValueError, match=r"^x_scale \(sfa_tensor\): .*R >= ceil\(tokens_sum / "
+                                         r"128\) = 4"):
+        call(xs=rows[:2], dys=jnp.ones((2, FP8_INTER)), scale_recipe="block_1x128")
+    with pytest.raises(ValueError, match=r"^dy_scale \(sfb_tensor\): .*\(5, 48\)"):
+        call(xs=rows, dys=jnp.ones((4, FP8_INTER)), scale_recipe="block_1x128")
+    with pytest.raises(ValueError, match=r"^dy_global_scale \(global_scale_b\): .*pairs"):
+        call(x_global_scale=jnp.ones(4))
+    with pytest.raises(ValueError, match=r"^x_global_scale \(global_scale_a\): .*\(4,\)"):
+        call(x_global_scale=jnp.ones(5), dy_global_scale=jnp.ones(4))
+    with pytest.raises(ValueError, match=r"^out: .*accumulate"):
+        call(accumulate=True)
+    with pytest.raises(ValueError, match=r"^out: expected None unless accumulate"):
+        call(out=jnp.zeros((4, FP8_HIDDEN, FP8_INTER)))
+    with pytest.raises(ValueError, match=r"^out: expected shape"):
+        call(out=jnp.zeros((4, FP8_HIDDEN, FP8_INTER + 16)), accumulate=True)
+    with pytest.raises(ValueError, match=r"^out_dtype \(wgrad_dtype\): "):
+        call(out_dtype=jnp.int32)
+    assert "xt: (hidden, tokens), dyt: (intermediate, tokens)" in gwj.wgrad_fp8.__doc__
+    assert "x: (tokens, hidden)" not in gwj.wgrad_fp8.__doc__
+
+
+LOWER_FP8_FOR_CUDA = """
+import json, os, sys
+import numpy as np, jax, jax.numpy as jnp
+import gwgrad.adapters.jax as gwj
+rng = np.random.default_rng(int(os.environ["GWGRAD_CHILD_SEED"]))
+recipe = os.environ["GWGRAD_RECIPE"]
+counts = [256, 0, 496, 272]
+offsets = jnp.asarray(np.cumsum(counts).astype(np.int32))
+xt = jnp.asarray(rng.standard_normal((256, 1024)), jnp.float8_e4m3fn)
+dyt = jnp.asarray(rng.standard_normal((384, 1024)), jnp.float8_e5m2)
+rows = 4 if recipe == "per_expert_channel" else sum(-(-c // 128) for c in counts)
+xs, dys = jnp.ones((rows, 256), jnp.float32), jnp.ones((rows, 384), jnp.float32)
+g = jnp.ones((4,), jnp.float32)
+out = jnp.zeros((4, 256, 384), jnp.float32)
+f = jax.jit(lambda *a: gwj.wgrad_fp8(*a, scale_recipe=recipe, out_dtype=jnp.float32))
+h = jax.jit(lambda xt, dyt, o, xs, dys, g, out: gwj.wgrad_fp8(
+    xt, dyt, o, xs, dys, scale_recipe=recipe, out=out, accumulate=True, x_global_scale=g,
+    dy_global_scale=g))
+args = (xt, dyt, offsets, xs, dys)
+texts = {
+    "dense": f.trace(*args).lower(lowering_platforms=("cuda",)).as_text(),
+    "accumulate": h.trace(*args, g, out).lower(lowering_platforms=("cuda",)).as_text(),
+    "both": f.trace(*args).lower(lowering_platforms=("cpu", "cuda")).as_text(),
+    "cpu": f.trace(*args).lower(lowering_platforms=("cpu",)).as_text(),
+}
+json.dump(texts, sys.stdout)
+"""
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_cuda_lowering_without_a_gpu_holds_the_custom_call(recipe):
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), CUTE_DSL_ARCH="sm_90a", JAX_PLATFORMS="cpu",
+               GWGRAD_RECIPE=recipe)
+    proc = subprocess.run([sys.executable, "-c", LOWER_FP8_FOR_CUDA], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    texts = json.loads(proc.stdout)
+    calls = _custom_calls(texts["dense"])
+    assert len(calls) == 1 and "CuteDSLRT_NvJaxCutlassCall" in calls[0]
+    assert "NoCudaGraph" not in calls[0]
+    # xt, dyt, offsets, x_scale, dy_scale and the two global scales (ones when absent)
+    assert calls[0].count("%arg") >= 7
+    assert "tensor<4x256x384xf32>" in texts["dense"] and "xui8>" in texts["dense"]
+    assert "f8E4M3FN" in texts["dense"] and "f8E5M2" in texts["dense"]
+    assert len(_custom_calls(texts["accumulate"])) == 1
+    assert "output_operand_aliases" in texts["accumulate"]
+    assert len(_custom_calls(texts["both"])) == 1 and not _custom_calls(texts["cpu"])

@@ -173,3 +173,124 @@ def test_shard_map_over_two_gpus():
         assert err < 1e-5, err
         print("ok")
     """, {})
+
+
+# --- wgrad_fp8: the custom call gives the core's bits ---------------------------------------
+
+FP8_COUNTS = [512, 0, 1008, 16, 272]  # multiples of 16, not all of 128; one empty expert
+
+
+def _sm90_torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU (the FP8 kernel)")
+    return torch
+
+
+def _fp8_case(rng, recipe, counts=FP8_COUNTS, extra_rows=2):
+    """NumPy (ml_dtypes) inputs of wgrad_fp8: xt (e4m3), dyt (e5m2), offsets, scales and
+    global scales."""
+    offsets = np.cumsum(counts).astype(np.int32)
+    tokens = int(offsets[-1])
+    xt = (2 * rng.standard_normal((HIDDEN, tokens))).astype(jnp.float8_e4m3fn)
+    dyt = (2 * rng.standard_normal((INTER, tokens))).astype(jnp.float8_e5m2)
+    rows = len(counts)
+    if recipe == "block_1x128":
+        rows = sum(-(-c // 128) for c in counts) + extra_rows
+    xs = (rng.random((rows, HIDDEN)) + 0.25).astype(np.float32)
+    dys = (rng.random((rows, INTER)) + 0.25).astype(np.float32)
+    gx = (rng.random(len(counts)) + 0.5).astype(np.float32)
+    gdy = (rng.random(len(counts)) + 0.5).astype(np.float32)
+    return dict(xt=xt, dyt=dyt, offsets=offsets, xs=xs, dys=dys, gx=gx, gdy=gdy)
+
+
+def _torch_of(torch, arr):
+    """The same bits as a torch CUDA tensor (FP8 through uint8)."""
+    arr = np.ascontiguousarray(arr)
+    fp8 = {np.dtype(jnp.float8_e4m3fn): torch.float8_e4m3fn,
+           np.dtype(jnp.float8_e5m2): torch.float8_e5m2}.get(arr.dtype)
+    if fp8 is not None:
+        return torch.from_numpy(arr.view(np.uint8)).cuda().view(fp8)
+    return torch.from_numpy(arr).cuda()
+
+
+def _core(torch, case, recipe, out, global_scales, accumulate):
+    """gwgrad.grouped_gemm_wgrad on the same inputs: a = xt (K-major), b = dyt.T."""
+    import gwgrad
+    from gwgrad.adapters._common import FP8_RECIPES
+
+    t = {k: _torch_of(torch, v) for k, v in case.items()}
+    gwgrad.grouped_gemm_wgrad(
+        a_tensor=t["xt"], b_tensor=t["dyt"].t(), sfa_tensor=t["xs"], sfb_tensor=t["dys"],
+        offsets_tensor=t["offsets"], wgrad_tensor=out,
+        global_scale_a=t["gx"] if global_scales else None,
+        global_scale_b=t["gdy"] if global_scales else None,
+        accumulate_on_output=accumulate, sf_vec_size=FP8_RECIPES[recipe], scale_recipe=recipe)
+    torch.cuda.synchronize()
+    return out.cpu()
+
+
+def _bits(arr) -> np.ndarray:
+    arr = np.asarray(arr)
+    return arr.view({2: np.uint16, 4: np.uint32}[arr.dtype.itemsize])
+
+
+@pytest.mark.parametrize("recipe", ["per_expert_channel", "block_1x128"])
+def test_wgrad_fp8_bits_equal_the_core(rng, recipe):
+    torch = _sm90_torch()
+    import gwgrad
+
+    case = _fp8_case(rng, recipe)
+    j = {k: jnp.asarray(v) for k, v in case.items()}
+    args = (j["xt"], j["dyt"], j["offsets"], j["xs"], j["dys"])
+    shape = (len(FP8_COUNTS), HIDDEN, INTER)
+
+    # bfloat16 output, no global scales
+    w = jax.jit(lambda *a: gwj.wgrad_fp8(*a, scale_recipe=recipe))(*args)
+    assert w.dtype == jnp.bfloat16 and w.devices() == {_gpus()[0]}
+    want = _core(torch, case, recipe, torch.empty(shape, dtype=torch.bfloat16, device="cuda"),
+                 False, False)
+    np.testing.assert_array_equal(_bits(w), want.view(torch.int16).numpy().view(np.uint16))
+    assert not np.asarray(w[1].astype(jnp.float32)).any()  # the empty expert is zeros
+
+    # float32 output with global scales, accumulating in place
+    base = rng.standard_normal(shape).astype(np.float32)
+    acc = jax.jit(lambda xt, dyt, o, xs, dys, gx, gdy, out: gwj.wgrad_fp8(
+        xt, dyt, o, xs, dys, scale_recipe=recipe, out=out, accumulate=True,
+        x_global_scale=gx, dy_global_scale=gdy), donate_argnums=7)
+    w = acc(*args, j["gx"], j["gdy"], jnp.asarray(base))
+    want = _core(torch, case, recipe, torch.from_numpy(base.copy()).cuda(), True, True)
+    np.testing.assert_array_equal(_bits(w), want.numpy().view(np.uint32))
+
+    # float32, global scales, not accumulating; then other counts through the same executable
+    f32 = jax.jit(lambda xt, dyt, o, xs, dys, gx, gdy: gwj.wgrad_fp8(
+        xt, dyt, o, xs, dys, scale_recipe=recipe, out_dtype=jnp.float32, x_global_scale=gx,
+        dy_global_scale=gdy))
+    w = f32(*args, j["gx"], j["gdy"])
+    want = _core(torch, case, recipe, torch.empty(shape, dtype=torch.float32, device="cuda"),
+                 True, False)
+    np.testing.assert_array_equal(_bits(w), want.numpy().view(np.uint32))
+    other = dict(case, offsets=np.cumsum([0, 800, 16, 0, 992]).astype(np.int32))
+    w = f32(j["xt"], j["dyt"], jnp.asarray(other["offsets"]), j["xs"], j["dys"], j["gx"],
+            j["gdy"])
+    want = _core(torch, other, recipe, torch.empty(shape, dtype=torch.float32, device="cuda"),
+                 True, False)
+    np.testing.assert_array_equal(_bits(w), want.numpy().view(np.uint32))
+    gwgrad.check_errors()  # nothing recorded
+
+
+def test_wgrad_fp8_too_few_scale_rows_is_reported(rng):
+    _sm90_torch()
+    import gwgrad
+
+    case = _fp8_case(rng, "block_1x128", extra_rows=0)
+    rows = case["xs"].shape[0] - 1  # still >= ceil(tokens / 128): only the device sees it
+    j = {k: jnp.asarray(v) for k, v in case.items()}
+    base = rng.standard_normal((len(FP8_COUNTS), HIDDEN, INTER)).astype(np.float32)
+    gwgrad.check_errors()
+    f = jax.jit(lambda xt, dyt, o, xs, dys, out: gwj.wgrad_fp8(
+        xt, dyt, o, xs, dys, scale_recipe="block_1x128", out=out, accumulate=True))
+    w = f(j["xt"], j["dyt"], j["offsets"], j["xs"][:rows], j["dys"][:rows], jnp.asarray(base))
+    np.testing.assert_array_equal(np.asarray(w), base)  # nothing written
+    with pytest.raises(ValueError, match=r"^sfa_tensor: expected at least \d+ scale rows"):
+        gwgrad.check_errors()

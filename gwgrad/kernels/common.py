@@ -619,6 +619,47 @@ class ScaledEntryPoints:
             stream, scales=(sfa_ptr, sfb_ptr, gsa_ptr, gsb_ptr, sf_capacity),
         )
 
+    @cute.jit
+    def call_tensors(
+        self,
+        stream: cuda.CUstream,
+        a: cute.Tensor,
+        b: cute.Tensor,
+        offsets: cute.Tensor,
+        sfa: cute.Tensor,
+        sfb: cute.Tensor,
+        gsa: cute.Tensor,
+        gsb: cute.Tensor,
+        c: cute.Tensor,
+        workspace: cute.Tensor,
+        *,
+        tokens_sum: cutlass.Constexpr,
+        grid_size: cutlass.Constexpr,
+        status_address: cutlass.Constexpr,
+        sf_capacity: cutlass.Constexpr,
+    ):
+        """`GemmEntryPoints.call_tensors` with the scale tensors after the offsets (global
+        scales always present: ones when the caller has none) and `sf_capacity` baked in."""
+        cfg = self.cfg
+        self.launch(
+            _aligned(a.iterator, cfg.cutlass_ab_dtype, 16),
+            _aligned(b.iterator, cfg.cutlass_b_dtype, 16),
+            _aligned(offsets.iterator, Int32, 4),
+            _aligned(c.iterator, c.element_type, 16),
+            _aligned(workspace.iterator, cutlass.Uint8, 128),
+            cute.make_ptr(Int32, status_address, cute.AddressSpace.gmem, assumed_align=16),
+            Int32(tokens_sum),
+            Int32(grid_size),
+            stream,
+            scales=(
+                _aligned(sfa.iterator, sfa.element_type, 16),
+                _aligned(sfb.iterator, sfb.element_type, 16),
+                _aligned(gsa.iterator, cutlass.Float32, 4),
+                _aligned(gsb.iterator, cutlass.Float32, 4),
+                Int32(sf_capacity),
+            ),
+        )
+
 
 class GroupedWgradKernel(GemmEntryPoints):
     """What the arch kernels share on the host side: the store op and the prep kernel.

@@ -12,9 +12,6 @@ from ..kernels.tiling import SM90_FP8_TILES, sm90_fp8_problem
 from ..spec import StaticSpec
 from . import _cutedsl
 
-FP8_DTYPES = (DType.FLOAT8_E4M3FN, DType.FLOAT8_E5M2)
-
-
 class Fp8Sm90Backend(_cutedsl.CuteDslBackend):
     name = "fp8_sm90"
 
@@ -24,13 +21,7 @@ class Fp8Sm90Backend(_cutedsl.CuteDslBackend):
                 raise RuntimeError(
                     f"{name}: FP4 (NVFP4 / MXFP4) needs an SM100 GPU's block-scaled tensor "
                     f"cores; {spec.arch} (Hopper) has none. Use FP8 operands here")
-            if dtype not in FP8_DTYPES:
-                fail(name, "float8_e4m3fn or float8_e5m2 operands (the SM90 FP8 kernel)", dtype)
-        for name, major in (("a_tensor", spec.a_major), ("b_tensor", spec.b_major)):
-            if major != "k":
-                fail(name, "a K-major (token-contiguous) FP8 operand on SM90: Hopper's FP8 "
-                     "WGMMA reads K-major shared memory only; store it as (rows, tokens) with "
-                     "unit stride along tokens", f"a {major.upper()}-major one")
+        # FP8 dtypes and K-major operands: the kernel's own predicate (can_implement).
         if spec.acc_dtype != DType.FLOAT32:
             fail("acc_dtype", "float32", spec.acc_dtype)
         if spec.wgrad_dtype not in (DType.BFLOAT16, DType.FLOAT16, DType.FLOAT32):

@@ -44,6 +44,7 @@ from .errors import ArgumentError  # noqa: E402
 from .interop import as_tensor_desc, from_dlpack  # noqa: E402
 from .offsets import token_count_multiple  # noqa: E402
 from .plan import LaunchPlan, plan_for  # noqa: E402
+from .quantizers import quantize  # noqa: E402
 from .spec import StaticSpec  # noqa: E402
 from .status import check_errors  # noqa: E402
 from .tensors import TensorDesc, from_pointer  # noqa: E402
@@ -57,6 +58,7 @@ __all__ = [
     "LaunchPlan",
     "plan_for",
     "check_errors",
+    "quantize",
     "ArgumentError",
     "TensorDesc",
     "as_tensor_desc",

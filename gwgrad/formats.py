@@ -16,23 +16,32 @@ Magnitudes past the largest finite value *saturate* to it, infinities included (
 zero and magnitudes below ``2**-127`` give code 0 (``2**-127``), negative values NaN.
 
 Quantizers (per expert, ``x`` a ``(rows, count)`` float array whose axis 1 is the expert's
-tokens; pass ``B_e.T`` for B). Every division by a scale happens in float64, exactly for power
-of two scales, then one rounding as ``encode``:
+tokens; pass ``B_e.T`` for B). They are the models the GPU quantizers (gwgrad/quantizers.py)
+match bit for bit on BF16 inputs: ``x`` is taken as FP32 (BF16 values are exact), amaxes are of
+the finite magnitudes, and every other step is one IEEE FP32 operation rounded to nearest even
+with subnormals kept (NumPy float32; ``mul.rn`` / ``div.rn`` on the GPU), then one rounding as
+``encode``. Values are multiplied by the reciprocal of their scale, as Transformer Engine and
+DeepGEMM do: one division per block, not per value.
 
 * ``quantize_mx(x, sf_vec, elem)`` (OCP MX: MXFP8 E4M3 / E5M2, MXFP4 E2M1): per row and block
   of ``sf_vec`` tokens (the last one may be shorter) the E8M0 scale ``2**s`` with
-  ``s = floor(log2(amax)) - emax(elem)`` (emax: e4m3 8, e5m2 15, e2m1 2), clamped to
-  ``[-127, 127]``; elements ``encode(x / 2**s)``, saturating (amax / 2**s may reach just below
+  ``s = floor(log2(amax)) - emax(elem)`` (emax: e4m3 8, e5m2 15, e2m1 2; the OCP MX spec's
+  choice, also torchao's default), clamped to ``[-127, 127]``; elements ``encode(x / 2**s)``
+  (exact scaling by a power of two), saturating (amax / 2**s may reach just below
   ``2**(emax + 1)``, above the largest value). A zero block gets the smallest scale (code 0).
-  A block holding NaN or Inf gets the NaN scale (code 255): its dequantized values are NaN.
-* ``quantize_nvfp4(x)``: the per-expert FP32 global scale ``g = amax / (448 * 6)`` (1.0 for an
-  all-zero or empty expert), per row and 16 tokens the E4M3 scale ``encode(amax_block / (6 g))``
-  and elements ``encode(x / (scale * g), "e2m1")`` (0 where the scale rounded to 0). NaN or Inf
-  makes ``g`` NaN and the block's scale NaN (0x7F).
-* ``quantize_rowwise_fp8(x, elem, block=None)``: FP32 scales ``amax / fmax`` (fmax: e4m3 448,
-  e5m2 57344) per row (``block=None``: ``per_expert_channel``) or per row and ``block`` tokens
-  (``block=128``: ``block_1x128``); an all-zero row / block gets scale 1.0, a non-finite one
-  NaN; elements ``encode(x / scale)``.
+  A block holding NaN or Inf gets the NaN scale (code 255): its dequantized values are NaN; its
+  FP8 codes are NaN (0x7F) too.
+* ``quantize_nvfp4(x)``: the per-expert FP32 global scale ``g = amax / 2688`` (448 * 6; 1.0 for
+  an all-zero or empty expert), per row and 16 tokens the E4M3 scale
+  ``encode(amax_block / (6 * g))`` and elements ``encode(x * (1 / (scale * g)), "e2m1")`` (0
+  where ``scale * g`` is 0 or not finite). NaN or Inf makes ``g`` NaN and the block's scale
+  NaN (0x7F).
+* ``quantize_rowwise_fp8(x, elem, block=None)``: FP32 scales ``max(amax / fmax, 2**-126)``
+  (fmax: e4m3 448, e5m2 57344) per row (``block=None``: ``per_expert_channel``) or per row and
+  ``block`` tokens (``block=128``: ``block_1x128``, DeepSeek-V3's recipe); an all-zero row /
+  block gets scale 1.0, a non-finite one NaN and NaN codes (0x7F); elements
+  ``encode(x * (1 / scale))``. NaN and Inf are never clipped to a finite value: they make
+  their block's scale NaN, so everything computed from the block is NaN.
 
 Dequantized value: ``decode(code) * decode(scale)`` (times the global scale for NVFP4, which
 the GEMM applies as ``alpha_e = global_scale_a[e] * global_scale_b[e]``).
@@ -59,6 +68,8 @@ FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 EMAX = {"e4m3": 8, "e5m2": 15, "e2m1": 2}
 #: Largest finite value of each format.
 FMAX = {"e4m3": 448.0, "e5m2": 57344.0, "e2m1": 6.0, "e8m0": 2.0 ** 127}
+#: The smallest normal FP32 value: the least FP32 recipe scale (its reciprocal stays finite).
+MIN_NORMAL32 = 2.0 ** -126
 
 _NAMES = {
     "e4m3": "e4m3", "float8_e4m3fn": "e4m3", DType.FLOAT8_E4M3FN: "e4m3",
@@ -245,7 +256,7 @@ def quantize_nvfp4(x: np.ndarray, global_scale: Optional[float] = None
 
     Returns ``(codes, scales, global_scale)``: uint8 E2M1 codes (rows, count) (unpacked),
     uint8 E4M3 scales (rows, ceil(count / 16)) and the FP32 global scale (``amax / (448 * 6)``
-    unless given).
+    unless given). The arithmetic is FP32's, as the GPU quantizer does it (see the module doc).
     """
     x = _as_2d(x)
     rows, count = x.shape
@@ -253,21 +264,22 @@ def quantize_nvfp4(x: np.ndarray, global_scale: Optional[float] = None
         if x.size and not np.isfinite(x).all():
             global_scale = np.nan
         else:
-            amax = float(np.abs(x).max()) if x.size else 0.0
-            global_scale = amax / (448.0 * 6.0) if amax > 0 else 1.0
+            amax = np.float32(np.abs(x).max()) if x.size else np.float32(0.0)
+            global_scale = amax / np.float32(448.0 * 6.0) if amax > 0 else 1.0
     g = np.float32(global_scale)
-    gd = float(g)
     amax, finite = _block_amax(x, 16)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        scales = encode(amax / (6.0 * gd), "e4m3")
-    scales = np.where(finite, scales, np.uint8(0x7F)).astype(np.uint8)
-    scale_vals = fp8_table("e4m3")[scales] * gd
-    per_token = np.repeat(scale_vals, 16, axis=1)[:, :count]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        q = np.where((per_token != 0) & np.isfinite(per_token), x / np.where(per_token == 0, 1.0,
-                                                                             per_token), 0.0)
-    codes = encode(q, "e2m1")
-    return codes, scales, g
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        s = amax.astype(np.float32) / (np.float32(6.0) * g)
+        scales = encode(s.astype(np.float64), "e4m3")
+        scales = np.where(finite & ~np.isnan(s), scales, np.uint8(0x7F)).astype(np.uint8)
+        denom = fp8_table("e4m3")[scales].astype(np.float32) * g
+        ok = (denom != 0) & np.isfinite(denom)
+        r = np.float32(1.0) / np.where(ok, denom, np.float32(1.0))
+        per_token = np.repeat(r, 16, axis=1)[:, :count]
+        q = x.astype(np.float32) * per_token
+    codes = encode(q.astype(np.float64), "e2m1")
+    codes = np.where(np.repeat(ok, 16, axis=1)[:, :count], codes, np.uint8(0))
+    return codes.astype(np.uint8), scales, g
 
 
 def quantize_rowwise_fp8(x: np.ndarray, elem: str = "e4m3", block: Optional[int] = None
@@ -276,7 +288,8 @@ def quantize_rowwise_fp8(x: np.ndarray, elem: str = "e4m3", block: Optional[int]
 
     ``block=None``: one scale per row (``per_expert_channel``), scales (rows,);
     ``block=128``: one per row and 128 tokens (``block_1x128``), scales (rows, ceil(count/128)).
-    Returns ``(codes, scales)``: uint8 codes (rows, count), float32 scales.
+    Returns ``(codes, scales)``: uint8 codes (rows, count), float32 scales. The arithmetic is
+    FP32's, as the GPU quantizer does it (see the module doc).
     """
     name = _fmt(elem)
     if name not in ("e4m3", "e5m2"):
@@ -285,17 +298,22 @@ def quantize_rowwise_fp8(x: np.ndarray, elem: str = "e4m3", block: Optional[int]
     rows, count = x.shape
     size = max(count, 1) if block is None else block
     amax, finite = _block_amax(x, size)
-    scales = (amax / FMAX[name]).astype(np.float32)
+    scales = amax.astype(np.float32) / np.float32(FMAX[name])
+    scales = np.maximum(scales, np.float32(MIN_NORMAL32))
     scales = np.where(amax > 0, scales, np.float32(1.0))
     scales = np.where(finite, scales, np.float32(np.nan)).astype(np.float32)
     if block is None:
         scales = scales[:, 0] if scales.shape[1] else np.ones(rows, np.float32)
+        finite = finite[:, 0] if finite.shape[1] else np.ones(rows, bool)
         per_token = np.repeat(scales[:, None], count, axis=1)
+        bad = np.repeat(~finite[:, None], count, axis=1)
     else:
         per_token = np.repeat(scales, block, axis=1)[:, :count]
-    with np.errstate(invalid="ignore"):
-        q = x / per_token.astype(np.float64)
-    return encode(q, name), scales
+        bad = np.repeat(~finite, block, axis=1)[:, :count]
+    with np.errstate(invalid="ignore", over="ignore"):
+        q = x.astype(np.float32) * (np.float32(1.0) / per_token)
+    codes = np.where(bad, np.uint8(0x7F), encode(q.astype(np.float64), name))
+    return codes.astype(np.uint8), scales
 
 
 def dequantize_blocks(codes: np.ndarray, elem: str, scales: np.ndarray, block: int,

@@ -53,10 +53,10 @@ class TensorDesc:
 
     def is_contiguous(self) -> bool:
         """Row-major dense, ignoring the strides of size-1 axes (as torch and NumPy do)."""
+        if 0 in self.shape:  # no elements: any strides describe it
+            return True
         expected = 1
         for size, stride in zip(reversed(self.shape), reversed(self.strides)):
-            if size == 0:
-                return True
             if size != 1 and stride != expected:
                 return False
             expected *= size

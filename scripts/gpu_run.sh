@@ -8,8 +8,8 @@
 # Usage: bash scripts/gpu_run.sh [steps...]
 #   default steps, in this order: tests overhead coldstart bench
 #   also: examples, unrounded (bench with counts not rounded to 256), adapters (kernel time
-#   per adapter), fp8 (bench/fp8.py: the FP8 recipes); these are not in the default run's
-#   budget.
+#   per adapter), fp8 (bench/fp8.py: the FP8 recipes), qtests (the quantizers' GPU tests),
+#   qbench (bench/quantize.py); these are not in the default run's budget.
 #
 # Files under $OUT (default /tmp/gwgrad-out; at most 6, one folder): run.log (every step's
 # full output), overhead.json, coldstart.json, bench.json, bench.png, isolated.json
@@ -111,7 +111,22 @@ for s in $steps; do
         --time-budget $((T > 90 ? T - 60 : T / 2)) --json "$OUT/bench_fp8.json"
       tail -20 "$OUT/step.txt"
       done_step fp8 $rc ;;
-    *) say "unknown step: $s (steps: overhead coldstart bench tests examples unrounded adapters fp8)" ;;
+    qtests)
+      # The GPU quantizers: bit-exactness, guards, graphs, quantize -> FP8 GEMM.
+      step qtests 240 || continue
+      capture "$PY" -m pytest -q -p no:cacheprovider tests/test_quantize_gpu.py \
+        ${GWGRAD_QTESTS_EXTRA-}
+      tail -25 "$OUT/step.txt"
+      done_step qtests $rc ;;
+    qbench)
+      # bench/quantize.py: every format on the shapes' x and dy vs torch ops and a copy.
+      step qbench 300 || continue
+      capture "$PY" -m gwgrad.bench.quantize --rows "${GWGRAD_Q_ROWS-}" \
+        --rounds ${GWGRAD_BENCH_ROUNDS:-10} --markdown --step \
+        --time-budget $((T > 90 ? T - 60 : T / 2)) --json "$OUT/bench_quantize.json"
+      tail -40 "$OUT/step.txt"
+      done_step qbench $rc ;;
+    *) say "unknown step: $s (steps: overhead coldstart bench tests examples unrounded adapters fp8 qtests qbench)" ;;
   esac
 done
 rm -f "$OUT/step.txt" "$OUT"/*.tmp

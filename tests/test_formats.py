@@ -161,20 +161,27 @@ def test_quantize_mx_zero_block_nan_and_inf():
     assert scales[0, 0] == 254
 
 
+def bf16_values(x):
+    """x rounded to BF16 values (what the GPU quantizers take), as float64."""
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
 def test_quantize_nvfp4_round_trip(rng):
     rows, count = 16, 80  # 5 blocks of 16 tokens
-    x = rng.standard_normal((rows, count)) * np.exp(rng.uniform(-3, 3, (rows, 1)))
+    x = bf16_values(rng.standard_normal((rows, count)) * np.exp(rng.uniform(-3, 3, (rows, 1))))
+    f32 = np.float32
     codes, scales, g = F.quantize_nvfp4(x)
-    assert isinstance(g, np.float32) and g == np.float32(np.abs(x).max() / (448 * 6))
+    assert isinstance(g, np.float32) and g == f32(np.abs(x).max()) / f32(448 * 6)
     assert codes.shape == (rows, count) and scales.shape == (rows, 5)
     amax = np.abs(x).reshape(rows, 5, 16).max(axis=2)
-    assert np.array_equal(ml_values(scales, "e4m3"), nearest_even(amax / (6 * float(g)), "e4m3"))
-    block_scale = np.repeat(ml_values(scales, "e4m3"), 16, axis=1) * float(g)
+    s = (amax.astype(f32) / (f32(6) * g)).astype(np.float64)  # FP32 arithmetic, as the GPU
+    assert np.array_equal(ml_values(scales, "e4m3"), nearest_even(s, "e4m3"))
+    block_scale = np.repeat(ml_values(scales, "e4m3").astype(f32) * g, 16, axis=1)
     deq = ml_values(codes, "e2m1") * block_scale
     # E2M1 has one mantissa bit: half an ulp is 1/4 of the value (normal) or 1/4 of the
     # scale (subnormal); the E4M3 rounding of the block scale may saturate by 1/16 more.
     assert (np.abs(deq - x) <= 0.25 * np.abs(x) + 0.5 * block_scale).all()
-    q = x / block_scale
+    q = (x.astype(f32) * (f32(1) / block_scale)).astype(np.float64)
     inside = np.abs(q) <= 6
     assert np.array_equal(ml_values(codes, "e2m1")[inside], nearest_even(q[inside], "e2m1"))
     # zero, empty and non-finite experts
@@ -195,7 +202,8 @@ def test_quantize_nvfp4_round_trip(rng):
 @pytest.mark.parametrize("block,count", [(None, 70), (128, 300), (128, 128), (None, 0)])
 def test_quantize_rowwise_fp8_round_trip(rng, fmt, block, count):
     rows = 12
-    x = rng.standard_normal((rows, count)) * np.exp(rng.uniform(-5, 5, (rows, 1)))
+    x = bf16_values(rng.standard_normal((rows, count)) * np.exp(rng.uniform(-5, 5, (rows, 1))))
+    f32 = np.float32
     codes, scales = F.quantize_rowwise_fp8(x, fmt, block)
     assert codes.shape == (rows, count) and scales.dtype == np.float32
     if block is None:
@@ -209,9 +217,11 @@ def test_quantize_rowwise_fp8_round_trip(rng, fmt, block, count):
         padded[:, :count] = np.abs(x)
         amax = padded.reshape(rows, nblocks, block).max(axis=2)
         per_token = np.repeat(scales.astype(np.float64), block, axis=1)[:, :count]
-    want = np.where(amax > 0, (amax / F.FMAX[fmt]).astype(np.float32), 1.0)
+    # FP32 arithmetic, as the GPU: amax / fmax, at least the smallest normal
+    want = np.where(amax > 0, np.maximum(amax.astype(f32) / f32(F.FMAX[fmt]), f32(2.0 ** -126)),
+                    1.0)
     assert np.array_equal(scales, want.astype(np.float32))
-    q = x / per_token
+    q = (x.astype(f32) * (f32(1) / per_token.astype(f32))).astype(np.float64)
     inside = np.abs(q) <= F.FMAX[fmt]
     # only an amax element can land past the largest value (the FP32 scale rounded down)
     assert (~inside).sum() <= scales.size
@@ -219,7 +229,9 @@ def test_quantize_rowwise_fp8_round_trip(rng, fmt, block, count):
     assert np.array_equal(ml_values(codes, fmt)[inside], nearest_even(q[inside], fmt))
     deq = ml_values(codes, fmt) * per_token
     m = MANT_BITS[fmt]
-    assert (np.abs(deq - x) <= 2.0 ** -(m + 1) * np.abs(x) + per_token * 2.0 ** (EMIN[fmt] - m - 1)
+    # (+ 2**-21 |x|: the FP32 reciprocal and product before the FP8 rounding)
+    assert (np.abs(deq - x) <= (2.0 ** -(m + 1) + 2.0 ** -21) * np.abs(x)
+            + per_token * 2.0 ** (EMIN[fmt] - m - 1)
             + per_token * 2.0 ** -m * F.FMAX[fmt] * (~inside)).all()
 
 

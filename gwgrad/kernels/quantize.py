@@ -1,0 +1,757 @@
+"""Grouped quantizers: BF16 ``x`` (tokens, channels), grouped by expert through ``offsets``, to
+the block-scaled operands the weight-gradient kernels read, in the layouts of gwgrad/scales.py.
+
+Output: ``q`` (channels, tokens) token-contiguous (K-major) codes: one byte per FP8 value, or
+packed E2M1 (two tokens per byte, the even token in the low nibble), and the scales of the
+recipe (bit-exact with the NumPy models of gwgrad/formats.py; the rounding rules are there):
+
+  blocked, MXFP8 / MXFP4   E8M0 per channel and 32 tokens, in the per-expert 32x4x4 blocked
+                           layout (padding rows and columns written as code 0: never NaN)
+  blocked, NVFP4           E4M3 per channel and 16 tokens, blocked, and the expert's FP32
+                           global scale ``amax / (448 * 6)``
+  per_expert_channel       FP32 ``amax / fmax`` per expert and channel, (E, channels)
+  block_1x128              FP32 ``amax / fmax`` per channel and 128 tokens, (R, channels)
+
+Work split: a prep kernel (one CTA of 512 threads, plus CTAs zeroing the amax records of the
+two-pass formats) builds the call's tile table in the workspace: a block-wide prefix sum of the
+experts' tile and scale-column counts, then, per tile row, a binary search for its expert (no
+host sync; the per-CTA cost no longer grows with the number of experts). A tile CTA owns one
+128-token tile of one expert (tiles restart at each expert's first token, so no tile straddles
+two experts) and 64 channels; grid (channel blocks, tile bound), the tile bound
+``ceil(T / 128) + E`` covering any counts; each CTA reads its 32-byte table row, and rows past
+the last tile exit. Offsets are read through the GEMMs' sanitized ranges (a count that is
+negative, past ``tokens_sum`` or not a multiple of the format's count is empty), so no read or
+write leaves the caller's tensors whatever the offsets hold; scale writes past the capacity are
+dropped (the GEMM's device check then reports ``SCALES_TOO_SMALL``).
+
+Threads (256): the x tile is staged in shared memory with 16-byte loads (8 threads per
+128-byte token row); thread (quarter q, channel c) then reads channel c of tokens 32q..32q+31,
+computes the amax of its 32 (or 2x16) values as integers on the BF16 bits (NaN/Inf tracked
+apart), converts them with the block's scale (FP32 ``mul.rn`` / ``div.rn`` in inline PTX,
+never flushing denormals; FP8 by ``cvt.rn.satfinite``, E2M1 by an exact compare ladder) into a
+shared code tile, which is stored as 16-byte vectors, 8 (FP8) or 4 (FP4) threads per channel
+row segment. Shared rows are padded by one word (no bank conflicts either way). 1x128 and
+per-channel amaxes are combined across the four quarters in shared memory.
+
+Two-pass recipes (per_expert_channel and NVFP4 need an amax over the whole expert): after the
+prep kernel (which zeroes the records), an amax kernel (the same tiles; one ``atom.max`` per tile and channel,
+or per tile for NVFP4, into the uint32 workspace: non-negative float bits order as integers, a
+non-finite value records +Inf's bits) and the quantizing kernel, which reads the amaxes. Empty
+experts get scale 1.0 (per_expert_channel) and global scale 1.0 (NVFP4) from the CTAs of tile
+row 0.
+
+Verified: compile and PTX checks for sm_90a and sm_100a (tests/test_compile_quantize.py);
+bit-exact against gwgrad.formats on an H200 (tests/test_quantize_gpu.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint8, Uint16
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
+from cutlass.memory import SmemAllocator
+
+from .common import sanitized_range
+
+TILE_TOKENS = 128
+TILE_CHANNELS = 64
+QUARTERS = 4
+TOKENS_PER_THREAD = TILE_TOKENS // QUARTERS  # 32
+THREADS = TILE_CHANNELS * QUARTERS  # 256
+X_CHUNKS = TILE_CHANNELS // 8  # 16-byte chunks per token row of the x tile
+X_LOADS = TILE_TOKENS * X_CHUNKS // THREADS  # 4 vector loads per thread
+X_ROW_WORDS = TILE_CHANNELS // 2 + 1  # BF16 pairs per token row, + 1 word of padding
+Q_ROW_WORDS = TILE_TOKENS // 4 + 1  # FP8 code words per channel row, + 1 (FP4 uses half)
+PREP_THREADS = 512
+PREP_WARPS = PREP_THREADS // 32
+
+#: Bits of +Inf: the amax record of a block holding NaN or Inf (finite magnitudes are below).
+NONFINITE = 0x7F800000
+FP32_ONE = 0x3F800000
+FP32_NAN = 0x7FC00000
+FP32_MIN_NORMAL = 0x00800000
+FMAX_BITS = {"e4m3": 0x43E00000, "e5m2": 0x47600000}  # 448.0, 57344.0
+EMAX = {"e4m3": 8, "e5m2": 15, "e2m1": 2}
+NVFP4_GLOBAL_DIVISOR = 0x45280000  # 2688.0 = 448 * 6
+SIX = 0x40C00000
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    """The static problem of one quantizer kernel."""
+
+    channels: int
+    num_experts: int
+    recipe: str  # "blocked" | "per_expert_channel" | "block_1x128"
+    elem: str  # "e4m3" | "e5m2" | "e2m1"
+    sf_vec: int  # tokens per scale: 32 (MX), 16 (NVFP4), 128 (block_1x128), 0 (channel)
+    count_multiple: int  # gwgrad.offsets.token_count_multiple of the consuming GEMM
+
+    @property
+    def nvfp4(self) -> bool:
+        return self.recipe == "blocked" and self.sf_vec == 16
+
+    @property
+    def two_pass(self) -> bool:
+        return self.recipe == "per_expert_channel" or self.nvfp4
+
+    @property
+    def padded_channels(self) -> int:
+        """Rows of the scale tensor the grid covers: the blocked layout pads to 128."""
+        if self.recipe == "blocked":
+            return -(-self.channels // 128) * 128
+        return self.channels
+
+    @property
+    def channel_blocks(self) -> int:
+        return -(-self.padded_channels // TILE_CHANNELS)
+
+    @property
+    def amax_words(self) -> int:
+        """uint32 words of workspace (the amax records of the two-pass recipes)."""
+        if self.recipe == "per_expert_channel":
+            return self.num_experts * self.channels
+        return self.num_experts if self.nvfp4 else 0
+
+    # Workspace: [amax records: amax_words x u32][expert table: E x (begin, end, S_e, C_e)]
+    # [tile table: tile rows x (expert, tile, begin, end, S_e, C_e, 0, 0)], written by the prep
+    # kernel of every call.
+    @property
+    def expert_table_offset(self) -> int:
+        return -(-4 * self.amax_words // 32) * 32
+
+    @property
+    def tile_table_offset(self) -> int:
+        return self.expert_table_offset + 16 * self.num_experts
+
+    def workspace_bytes(self, tokens_sum: int) -> int:
+        """Bytes of workspace of a call with ``tokens_sum`` tokens (its tile rows' table)."""
+        return self.tile_table_offset + 32 * self.tile_bound(tokens_sum)
+
+    def tile_bound(self, tokens_sum: int) -> int:
+        """Tile rows of the grid: enough for any counts (each expert adds at most one
+        partial tile)."""
+        return -(-tokens_sum // TILE_TOKENS) + self.num_experts
+
+    @property
+    def code_bytes_per_token(self) -> float:
+        return 0.5 if self.elem == "e2m1" else 1.0
+
+
+def problem(cfg: QuantizeConfig):
+    """(argument, detail) when no kernel implements ``cfg``, else None."""
+    if cfg.channels % 8 or cfg.channels <= 0:
+        return "x", f"channels a positive multiple of 8, got {cfg.channels}"
+    if cfg.elem not in EMAX:
+        return "elem", f"e4m3, e5m2 or e2m1, got {cfg.elem!r}"
+    if cfg.recipe == "blocked":
+        if (cfg.elem, cfg.sf_vec) not in (("e4m3", 32), ("e5m2", 32), ("e2m1", 32),
+                                           ("e2m1", 16)):
+            return "sf_vec_size", (f"32 (MXFP8, MXFP4) or 16 with e2m1 (NVFP4), got "
+                                   f"{cfg.sf_vec} with {cfg.elem}")
+        if cfg.count_multiple % 32:
+            return "offsets", f"counts multiples of 32 for blocked scales, got {cfg.count_multiple}"
+    elif cfg.recipe in ("per_expert_channel", "block_1x128"):
+        if cfg.elem == "e2m1":
+            return "elem", f"e4m3 or e5m2 with FP32 scales, got {cfg.elem!r}"
+        if cfg.count_multiple % 16:
+            return "offsets", f"counts multiples of 16, got {cfg.count_multiple}"
+    else:
+        return "scale_recipe", f"blocked, per_expert_channel or block_1x128, got {cfg.recipe!r}"
+    if cfg.num_experts < 1:
+        return "offsets", f"at least one expert, got {cfg.num_experts}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact scalar operations (inline PTX: IEEE rounding, denormals kept)
+# ---------------------------------------------------------------------------------------------
+
+
+def _asm(result, args, asm: str, constraints: str, side_effects: bool = False):
+    return llvm.inline_asm(result, [a.ir_value() for a in args], asm, constraints,
+                           has_side_effects=side_effects, is_align_stack=False,
+                           asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def _f32_op(op: str, a: Int32, b: Int32) -> Int32:
+    """``op`` (mul / div) of two FP32 values given and returned as bits, rounded to nearest
+    even, subnormals kept (no .ftz)."""
+    return Int32(_asm(T.i32(), [Int32(a), Int32(b)],
+                      "{\n\t.reg .f32 x, y, z;\n\tmov.b32 x, $1;\n\tmov.b32 y, $2;\n\t"
+                      f"{op}.rn.f32 z, x, y;\n\tmov.b32 $0, z;\n\t}}",
+                      "=r,r,r"))
+
+
+def ld_global_v4(address: Int64):
+    """Four words (16 bytes) from a 16-byte aligned global address (read-only path)."""
+    words = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * 4), [Int64(address).ir_value()],
+                            "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                            has_side_effects=False, is_align_stack=False,
+                            asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [Int32(llvm.extractvalue(T.i32(), words, [i])) for i in range(4)]
+
+
+def st_global_v4(address: Int64, w0: Int32, w1: Int32, w2: Int32, w3: Int32) -> None:
+    """Four words to a 16-byte aligned global address."""
+    _asm(None, [Int64(address), Int32(w0), Int32(w1), Int32(w2), Int32(w3)],
+         "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r", True)
+
+
+def f32_mul(a: Int32, b: Int32) -> Int32:
+    return _f32_op("mul", a, b)
+
+
+def f32_div(a: Int32, b: Int32) -> Int32:
+    return _f32_op("div", a, b)
+
+
+def fp8x4(q0: Int32, q1: Int32, q2: Int32, q3: Int32, elem: str) -> Int32:
+    """Four FP32 values (bits) as four FP8 codes in one word, q0 in the low byte
+    (``cvt.rn.satfinite``: nearest even, saturating; NaN gives 0x7F)."""
+    kind = "e4m3x2" if elem == "e4m3" else "e5m2x2"
+    return Int32(_asm(T.i32(), [Int32(q0), Int32(q1), Int32(q2), Int32(q3)],
+                      "{\n\t.reg .f32 a, b, c, d;\n\t.reg .b16 lo, hi;\n\t"
+                      "mov.b32 a, $1;\n\tmov.b32 b, $2;\n\tmov.b32 c, $3;\n\tmov.b32 d, $4;\n\t"
+                      f"cvt.rn.satfinite.{kind}.f32 lo, b, a;\n\t"
+                      f"cvt.rn.satfinite.{kind}.f32 hi, d, c;\n\t"
+                      "mov.b32 $0, {lo, hi};\n\t}",
+                      "=r,r,r,r,r"))
+
+
+def e4m3_code(s: Int32) -> Int32:
+    """One FP32 value (bits) as an E4M3 code (``cvt.rn.satfinite``)."""
+    return fp8x4(s, Int32(0), Int32(0), Int32(0), "e4m3") & 0xFF
+
+
+def e4m3_value(code: Int32) -> Int32:
+    """FP32 bits of an E4M3 code (exact)."""
+    return Int32(_asm(T.i32(), [Int32(code)],
+                      "{\n\t.reg .b16 c, lo, hi;\n\t.reg .b32 h2;\n\t.reg .f32 f;\n\t"
+                      "mov.b32 {c, hi}, $1;\n\tcvt.rn.f16x2.e4m3x2 h2, c;\n\t"
+                      "mov.b32 {lo, hi}, h2;\n\tcvt.f32.f16 f, lo;\n\tmov.b32 $0, f;\n\t}",
+                      "=r,r"))
+
+
+def f32_gt(a: Int32, b: Int32) -> Int32:
+    """1 when |a| > b for finite non-negative b (FP32 bits; NaN: 0)."""
+    a = a & 0x7FFFFFFF
+    return Int32(a > b) * Int32(a <= NONFINITE)
+
+
+def e2m1_code(q: Int32) -> Int32:
+    """E2M1 code (4 bits) of an FP32 value (bits): nearest, ties to even, saturating to 6;
+    NaN gives 0. The ladder compares the magnitude with the midpoints between codes."""
+    a = q & 0x7FFFFFFF
+    ok = Int32(a <= NONFINITE)  # not NaN
+    code = (Int32(a > 0x3E800000) + Int32(a >= 0x3F400000)  # 0.25, 0.75
+            + Int32(a > 0x3FA00000) + Int32(a >= 0x3FE00000)  # 1.25, 1.75
+            + Int32(a > 0x40200000) + Int32(a >= 0x40600000)  # 2.5, 3.5
+            + Int32(a > 0x40A00000))  # 5.0
+    sign = Int32((q >> 31) & 1) * 8
+    return (code + sign) * ok
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels
+# ---------------------------------------------------------------------------------------------
+
+
+class GroupedQuantizer:
+    """Quantizer of one QuantizeConfig. ``__call__`` is the compiled entry (raw addresses):
+    ``x`` (bf16, (T, channels) row-major), ``offsets`` (int32, E), ``q`` (uint8 codes,
+    (channels, T) or (channels, T/2)), ``sf`` (the scale tensor: uint8 codes or float32),
+    ``global_scale`` (float32 (E,), NVFP4; else unused), ``workspace`` (``workspace_bytes``),
+    ``tokens_sum``, ``sf_capacity`` (blocked: columns; block_1x128: rows; else unused),
+    ``tile_bound`` (the grid's tile rows: ``ceil(T / 128) + E``) and the stream."""
+
+    def __init__(self, cfg: QuantizeConfig):
+        self.cfg = cfg
+        # CTAs per SM the registers must allow (latency hiding): 4 (<= 64 registers) but for
+        # 1x128, whose cross-quarter amax keeps the 32 values live (3: <= 80, no spills).
+        self.min_blocks = 3 if cfg.recipe == "block_1x128" else 4
+
+    @cute.jit
+    def __call__(
+        self,
+        x_ptr: cute.Pointer,
+        offsets_ptr: cute.Pointer,
+        q_ptr: cute.Pointer,
+        sf_ptr: cute.Pointer,
+        gs_ptr: cute.Pointer,
+        workspace_ptr: cute.Pointer,
+        tokens_sum: Int32,
+        sf_capacity: Int32,
+        tile_bound: Int32,
+        stream,
+    ):
+        cfg = self.cfg
+        offsets = cute.make_tensor(offsets_ptr, cute.make_layout(cfg.num_experts))
+        ws = cute.make_tensor(workspace_ptr, cute.make_layout(max(cfg.amax_words, 1)))
+        experts = cute.make_tensor(workspace_ptr + cfg.expert_table_offset // 4,
+                                   cute.make_layout(4 * cfg.num_experts))
+        table = cute.make_tensor(workspace_ptr + cfg.tile_table_offset // 4,
+                                 cute.make_layout(8 * tile_bound))
+        self.prep_kernel(offsets, ws, experts, table, tokens_sum, tile_bound).launch(
+            grid=(max(1, -(-cfg.amax_words // PREP_THREADS)), 1, 1), block=(PREP_THREADS, 1, 1),
+            stream=stream)
+        grid = (cfg.channel_blocks, tile_bound, 1)
+        if cutlass.const_expr(cfg.two_pass):
+            self.tile_kernel(x_ptr, offsets, q_ptr, sf_ptr, gs_ptr, ws, table, tokens_sum,
+                             sf_capacity, True).launch(
+                grid=grid, block=(THREADS, 1, 1), min_blocks_per_mp=self.min_blocks,
+                preferred_smem_carveout=100, stream=stream)
+        self.tile_kernel(x_ptr, offsets, q_ptr, sf_ptr, gs_ptr, ws, table, tokens_sum,
+                         sf_capacity, False).launch(
+            grid=grid, block=(THREADS, 1, 1), min_blocks_per_mp=self.min_blocks,
+            preferred_smem_carveout=100, stream=stream)
+
+    @cute.jit
+    def call_tensors(
+        self,
+        stream,
+        x: cute.Tensor,
+        offsets: cute.Tensor,
+        q: cute.Tensor,
+        sf: cute.Tensor,
+        gs: cute.Tensor,
+        workspace: cute.Tensor,
+        *,
+        tokens_sum: cutlass.Constexpr,
+        sf_capacity: cutlass.Constexpr,
+        tile_bound: cutlass.Constexpr,
+    ):
+        """The ``(stream, *inputs, *outputs)`` form of ``cutlass.jax.cutlass_call``: inputs
+        ``x``, ``offsets``; outputs ``q``, ``sf``, ``gs`` (a one-element dummy but for NVFP4)
+        and the uint8 ``workspace`` (at least 4 bytes); only their data pointers are used."""
+        self.__call__(
+            cute.make_ptr(cutlass.BFloat16, x.iterator.toint(), cute.AddressSpace.gmem,
+                          assumed_align=16),
+            cute.make_ptr(Int32, offsets.iterator.toint(), cute.AddressSpace.gmem,
+                          assumed_align=4),
+            cute.make_ptr(Uint8, q.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16),
+            cute.make_ptr(cutlass.Float32 if self.cfg.recipe != "blocked" else Uint8,
+                          sf.iterator.toint(), cute.AddressSpace.gmem, assumed_align=16),
+            cute.make_ptr(cutlass.Float32, gs.iterator.toint(), cute.AddressSpace.gmem,
+                          assumed_align=4),
+            cute.make_ptr(Int32, workspace.iterator.toint(), cute.AddressSpace.gmem,
+                          assumed_align=16),
+            Int32(tokens_sum), Int32(sf_capacity), Int32(tile_bound), stream,
+        )
+
+    @cute.kernel
+    def prep_kernel(self, offsets: cute.Tensor, ws: cute.Tensor, experts: cute.Tensor,
+                    table: cute.Tensor, tokens_sum: Int32, tile_bound: Int32):
+        """Every CTA zeroes its part of the amax records (two-pass formats); CTA 0 builds the
+        call's tile table: a block-wide prefix sum of the experts' tile and scale-column
+        counts (into the expert table and shared memory), then for each tile row a binary
+        search for its expert."""
+        cfg = self.cfg
+        tid = cute.arch.thread_idx()[0]
+        bid = cute.arch.block_idx()[0]
+        if cutlass.const_expr(cfg.amax_words > 0):
+            i = bid * PREP_THREADS + tid
+            if i < cfg.amax_words:
+                ws[i] = Int32(0)
+        if bid == 0:
+            smem = SmemAllocator()
+            first = smem.allocate_tensor(Int32, cute.make_layout(cfg.num_experts), 16)
+            totals = smem.allocate_tensor(Int32, cute.make_layout((PREP_WARPS, 2)), 16)
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.warp_idx()
+            running_tiles = Int32(0)
+            running_cols = Int32(0)
+            for base in cutlass.range(0, cfg.num_experts, PREP_THREADS, unroll=1):
+                e = base + tid
+                begin = tokens_sum
+                end = tokens_sum
+                if e < cfg.num_experts:
+                    begin, end = sanitized_range(offsets, e, tokens_sum, cfg.count_multiple)
+                count = end - begin
+                tiles = (count + (TILE_TOKENS - 1)) // TILE_TOKENS
+                cols = self.scale_columns(count)
+                incl_tiles = tiles
+                incl_cols = cols
+                for d in cutlass.range_constexpr(5):
+                    up_t = cute.arch.shuffle_sync_up(incl_tiles, 1 << d)
+                    up_c = cute.arch.shuffle_sync_up(incl_cols, 1 << d)
+                    if lane >= (1 << d):
+                        incl_tiles += up_t
+                        incl_cols += up_c
+                if lane == 31:
+                    totals[warp, 0] = incl_tiles
+                    totals[warp, 1] = incl_cols
+                cute.arch.sync_threads()
+                before_tiles = Int32(0)
+                before_cols = Int32(0)
+                chunk_tiles = Int32(0)
+                chunk_cols = Int32(0)
+                for w in cutlass.range_constexpr(PREP_WARPS):
+                    t_w = totals[w, 0]
+                    c_w = totals[w, 1]
+                    if w < warp:
+                        before_tiles += t_w
+                        before_cols += c_w
+                    chunk_tiles += t_w
+                    chunk_cols += c_w
+                cute.arch.sync_threads()  # totals are rewritten by the next chunk
+                if e < cfg.num_experts:
+                    first[e] = running_tiles + before_tiles + incl_tiles - tiles
+                    experts[4 * e] = begin
+                    experts[4 * e + 1] = end
+                    experts[4 * e + 2] = running_cols + before_cols + incl_cols - cols
+                    experts[4 * e + 3] = cols
+                running_tiles += chunk_tiles
+                running_cols += chunk_cols
+            cute.arch.sync_threads()
+            for b in cutlass.range(tid, tile_bound, PREP_THREADS, unroll=1):
+                row = [Int32(-1), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)]
+                if b < running_tiles:
+                    # The last expert whose first tile is <= b (empty experts share their
+                    # successor's first tile, so the last one is the expert that owns b).
+                    lo = Int32(0)
+                    step = Int32(1 << (cfg.num_experts.bit_length() - 1))
+                    for _ in cutlass.range_constexpr(cfg.num_experts.bit_length()):
+                        probe = lo + step
+                        if probe < cfg.num_experts:
+                            if first[probe] <= b:
+                                lo = probe
+                        step = step >> 1
+                    row = [lo, b - first[lo], experts[4 * lo], experts[4 * lo + 1],
+                           experts[4 * lo + 2], experts[4 * lo + 3]]
+                for k in cutlass.range_constexpr(6):
+                    table[8 * b + k] = row[k]
+
+    # -- where a CTA works ----------------------------------------------------------------------
+
+    @cute.jit
+    def scale_columns(self, count: Int32) -> Int32:
+        """Scale columns (blocked) or rows (block_1x128) of an expert of ``count`` tokens."""
+        cfg = self.cfg
+        columns = Int32(0)
+        if cutlass.const_expr(cfg.recipe == "blocked"):
+            columns = (count + (cfg.sf_vec - 1)) // cfg.sf_vec
+            columns = (columns + 3) // 4 * 4
+        if cutlass.const_expr(cfg.recipe == "block_1x128"):
+            columns = (count + (TILE_TOKENS - 1)) // TILE_TOKENS
+        return columns
+
+    @cute.jit
+    def empty_expert_scales(self, offsets: cute.Tensor, tokens_sum: Int32, sf_ptr: cute.Pointer,
+                            gs_ptr: cute.Pointer):
+        """Tile row 0: scale 1.0 for the channels of this block of every empty expert
+        (per_expert_channel) and global scale 1.0 (NVFP4, channel block 0)."""
+        cfg = self.cfg
+        tid = cute.arch.thread_idx()[0]
+        cb = cute.arch.block_idx()[0]
+        for e in cutlass.range(tid, cfg.num_experts, THREADS, unroll=1):
+            begin, end = sanitized_range(offsets, e, tokens_sum, cfg.count_multiple)
+            if end == begin:
+                if cutlass.const_expr(cfg.recipe == "per_expert_channel"):
+                    sf = cute.make_tensor(cute.recast_ptr(sf_ptr, dtype=Int32),
+                                          cute.make_layout(cfg.num_experts * cfg.channels))
+                    for c in cutlass.range(TILE_CHANNELS, unroll=1):
+                        ch = cb * TILE_CHANNELS + c
+                        if ch < cfg.channels:
+                            sf[e * cfg.channels + ch] = Int32(FP32_ONE)
+                if cutlass.const_expr(cfg.nvfp4):
+                    if cb == 0:
+                        gs = cute.make_tensor(cute.recast_ptr(gs_ptr, dtype=Int32),
+                                              cute.make_layout(cfg.num_experts))
+                        gs[e] = Int32(FP32_ONE)
+
+    # -- the tile kernel ----------------------------------------------------------------------
+
+    @cute.kernel
+    def tile_kernel(self, x_ptr: cute.Pointer, offsets: cute.Tensor, q_ptr: cute.Pointer,
+                    sf_ptr: cute.Pointer, gs_ptr: cute.Pointer, ws: cute.Tensor,
+                    table: cute.Tensor, tokens_sum: Int32, sf_capacity: Int32,
+                    amax_pass: cutlass.Constexpr):
+        cfg = self.cfg
+        smem = SmemAllocator()
+        red = smem.allocate_tensor(Int32, cute.make_layout((TILE_CHANNELS, QUARTERS)), 16)
+        # The x tile (128 tokens x 64 channels of BF16 pairs) and the code tile (64 channels x
+        # 128 tokens of codes), rows padded by one word: conflict-free both ways.
+        xs = smem.allocate_tensor(Int32, cute.make_layout(TILE_TOKENS * X_ROW_WORDS), 16)
+        qs = smem.allocate_tensor(Int32, cute.make_layout(TILE_CHANNELS * Q_ROW_WORDS), 16)
+        if cutlass.const_expr(cfg.two_pass and not amax_pass):
+            if cute.arch.block_idx()[1] == 0:
+                self.empty_expert_scales(offsets, tokens_sum, sf_ptr, gs_ptr)
+        # This tile row's entry of the prep kernel's table (the same 32 bytes for every thread).
+        b = cute.arch.block_idx()[1]
+        row = cute.recast_ptr(table.iterator, dtype=Int32).toint() + Int64(b) * 32
+        head = ld_global_v4(row)
+        tail = ld_global_v4(row + 16)
+        info = [head[0], head[1], head[2], head[3], tail[0], tail[1]]
+        if info[0] >= 0:
+            self.tile(x_ptr, q_ptr, sf_ptr, gs_ptr, ws, info, red, xs, qs, tokens_sum,
+                      sf_capacity, amax_pass)
+
+    @cute.jit
+    def tile(self, x_ptr, q_ptr, sf_ptr, gs_ptr, ws, info, red, xs, qs, tokens_sum, sf_capacity,
+             amax_pass: cutlass.Constexpr):
+        cfg = self.cfg
+        C = cfg.channels
+        tid = cute.arch.thread_idx()[0]
+        cb = cute.arch.block_idx()[0]
+        expert, j, begin, end = info[0], info[1], info[2], info[3]
+        s_e, c_e = info[4], info[5]
+        c_local = tid % TILE_CHANNELS
+        quarter = tid // TILE_CHANNELS
+        ch = cb * TILE_CHANNELS + c_local
+        tile_begin = begin + j * TILE_TOKENS
+        tile_valid = cutlass.min(end - tile_begin, TILE_TOKENS)
+        t0 = tile_begin + quarter * TOKENS_PER_THREAD
+        n_valid = cutlass.max(cutlass.min(end - t0, TOKENS_PER_THREAD), 0)
+        live = ch < C
+
+        # Stage the x tile in shared memory: 16-byte loads, 8 threads per token row (128 B),
+        # zeros past the expert's tokens or the channels.
+        for r in cutlass.range_constexpr(X_LOADS):
+            v = tid + THREADS * r
+            token = v // X_CHUNKS
+            chunk = v - token * X_CHUNKS
+            w = [Int32(0), Int32(0), Int32(0), Int32(0)]
+            first = cb * TILE_CHANNELS + chunk * 8
+            if token < tile_valid and first < C:
+                address = x_ptr.toint() + (Int64(tile_begin + token) * C + first) * 2
+                w = ld_global_v4(address)
+            for k in cutlass.range_constexpr(4):
+                xs[token * X_ROW_WORDS + chunk * 4 + k] = w[k]
+        cute.arch.sync_threads()
+        # This thread's column: FP32 bits of channel c_local, tokens 32 q .. 32 q + 31.
+        vals = cute.make_rmem_tensor(TOKENS_PER_THREAD, Int32)
+        shift = 16 * (1 - c_local % 2)  # the even channel is the low half of its word
+        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+            word = xs[(quarter * TOKENS_PER_THREAD + i) * X_ROW_WORDS + c_local // 2]
+            vals[i] = (word << shift) & Int32(-65536)
+
+        # Block amaxes of the magnitudes' bits (NONFINITE when a block holds NaN / Inf).
+        group = TOKENS_PER_THREAD if cfg.sf_vec != 16 else 16
+        groups = TOKENS_PER_THREAD // group
+        amax = cute.make_rmem_tensor(groups, Int32)
+        bad = cute.make_rmem_tensor(groups, Int32)
+        for g in cutlass.range_constexpr(groups):
+            m = Int32(0)
+            nf = Int32(0)
+            for i in cutlass.range_constexpr(group):
+                a = vals[g * group + i] & 0x7FFFFFFF
+                finite = a < NONFINITE
+                if finite:
+                    m = cutlass.max(m, a)
+                else:
+                    nf = Int32(1)
+            amax[g] = m
+            bad[g] = nf
+
+        if cutlass.const_expr(amax_pass):
+            self.record_amax(ws, red, amax, bad, expert, ch, c_local, quarter, live)
+        else:
+            self.quantize(q_ptr, sf_ptr, gs_ptr, ws, red, qs, vals, amax, bad, expert, j,
+                          tile_begin, tile_valid, n_valid, s_e, c_e, ch, c_local, quarter, live,
+                          tokens_sum, sf_capacity)
+
+    @cute.jit
+    def combine_quarters(self, red, value: Int32, c_local, quarter) -> Int32:
+        """Max of ``value`` over the four quarters of a channel (every thread gets it)."""
+        red[c_local, quarter] = value
+        cute.arch.sync_threads()
+        total = cutlass.max(cutlass.max(red[c_local, 0], red[c_local, 1]),
+                            cutlass.max(red[c_local, 2], red[c_local, 3]))
+        return total
+
+    @cute.jit
+    def record_amax(self, ws, red, amax, bad, expert, ch, c_local, quarter, live):
+        """The amax pass: max over the tile into the expert's (per channel, or NVFP4's whole
+        expert) uint32 record."""
+        cfg = self.cfg
+        mine = Int32(0)
+        for g in cutlass.range_constexpr(cute.size(amax)):
+            mine = cutlass.max(mine, amax[g])
+            if bad[g] != 0:
+                mine = Int32(NONFINITE)
+        if cutlass.const_expr(cfg.recipe == "per_expert_channel"):
+            total = self.combine_quarters(red, mine, c_local, quarter)
+            if quarter == 0 and live:
+                cute.arch.atomic_max(ws.iterator + (expert * cfg.channels + ch), total)
+        else:
+            warp_max = cute.arch.warp_redux_sync(mine, "max")
+            lane = cute.arch.lane_idx()
+            warp = cute.arch.warp_idx()
+            if lane == 0:
+                red[warp, 0] = warp_max
+            cute.arch.sync_threads()
+            if cute.arch.thread_idx()[0] == 0:
+                total = Int32(0)
+                for w in cutlass.range_constexpr(THREADS // 32):
+                    total = cutlass.max(total, red[w, 0])
+                cute.arch.atomic_max(ws.iterator + expert, total)
+
+    @cute.jit
+    def fp32_scale(self, amax: Int32) -> Int32:
+        """FP32 recipes: the scale ``amax / fmax`` (bits), at least the smallest normal; 1.0
+        for an all-zero block, NaN for a non-finite one."""
+        scale = f32_div(amax, Int32(FMAX_BITS[self.cfg.elem]))
+        scale = cutlass.max(scale, Int32(FP32_MIN_NORMAL))
+        if amax == 0:
+            scale = Int32(FP32_ONE)
+        if amax >= NONFINITE:
+            scale = Int32(FP32_NAN)
+        return scale
+
+    @cute.jit
+    def global_scale(self, amax: Int32) -> Int32:
+        """NVFP4: ``amax / 2688`` (bits); 1.0 for an all-zero expert, NaN for a non-finite."""
+        g = f32_div(amax, Int32(NVFP4_GLOBAL_DIVISOR))
+        if amax == 0:
+            g = Int32(FP32_ONE)
+        if amax >= NONFINITE:
+            g = Int32(FP32_NAN)
+        return g
+
+    @cute.jit
+    def quantize(self, q_ptr, sf_ptr, gs_ptr, ws, red, qs, vals, amax, bad, expert, j,
+                 tile_begin, tile_valid, n_valid, s_e, c_e, ch, c_local, quarter, live,
+                 tokens_sum, sf_capacity):
+        cfg = self.cfg
+        C = cfg.channels
+        groups = cute.size(amax)
+        group = TOKENS_PER_THREAD // groups
+        # Per group: the multiplier of the values (FP32 bits), whether the codes are forced
+        # (FP8 of a non-finite block: 0x7F; NVFP4 with a zero / non-finite scale: 0), and the
+        # scale to store.
+        mult = cute.make_rmem_tensor(groups, Int32)
+        forced = cute.make_rmem_tensor(groups, Int32)
+        code = cute.make_rmem_tensor(groups, Int32)
+        if cutlass.const_expr(cfg.recipe == "blocked" and not cfg.nvfp4):
+            for g in cutlass.range_constexpr(groups):
+                exp = amax[g] >> 23
+                s = cutlass.max(exp - 127 - EMAX[cfg.elem], -127)
+                mult[g] = (127 - s) << 23
+                forced[g] = Int32(0)
+                code[g] = s + 127
+                if bad[g] != 0:
+                    code[g] = Int32(255)
+                    if cutlass.const_expr(cfg.elem != "e2m1"):
+                        forced[g] = Int32(1)
+        if cutlass.const_expr(cfg.nvfp4):
+            gbits = self.global_scale(ws[expert])
+            if j == 0 and cute.arch.block_idx()[0] == 0 and cute.arch.thread_idx()[0] == 0:
+                gs = cute.make_tensor(cute.recast_ptr(gs_ptr, dtype=Int32),
+                                      cute.make_layout(cfg.num_experts))
+                gs[expert] = gbits
+            six_g = f32_mul(Int32(SIX), gbits)
+            for g in cutlass.range_constexpr(groups):
+                s = f32_div(amax[g], six_g)
+                c = e4m3_code(s)
+                if bad[g] != 0 or (s & 0x7FFFFFFF) > NONFINITE:
+                    c = Int32(0x7F)
+                code[g] = c
+                denom = f32_mul(e4m3_value(c), gbits)
+                mult[g] = f32_div(Int32(FP32_ONE), denom)
+                da = denom & 0x7FFFFFFF
+                forced[g] = Int32(da == 0) + Int32(da >= NONFINITE)
+        if cutlass.const_expr(cfg.recipe != "blocked"):
+            block_amax = amax[0]
+            if bad[0] != 0:
+                block_amax = Int32(NONFINITE)
+            if cutlass.const_expr(cfg.recipe == "block_1x128"):
+                block_amax = self.combine_quarters(red, block_amax, c_local, quarter)
+            else:
+                block_amax = Int32(0)
+                if live:
+                    block_amax = ws[expert * C + ch]
+            scale = self.fp32_scale(block_amax)
+            mult[0] = f32_div(Int32(FP32_ONE), scale)
+            forced[0] = Int32(block_amax >= NONFINITE)
+            code[0] = scale
+
+        self.store_codes(q_ptr, qs, vals, mult, forced, tile_begin, tile_valid, c_local,
+                         quarter, tokens_sum)
+        self.store_scales(sf_ptr, code, expert, j, s_e, c_e, ch, quarter, live, n_valid,
+                          sf_capacity)
+
+    @cute.jit
+    def store_codes(self, q_ptr, qs, vals, mult, forced, tile_begin, tile_valid, c_local, quarter,
+                    tokens_sum):
+        """The thread's 32 codes into the code tile, then the tile into q: each channel's row
+        segment (128 FP8 bytes or 64 FP4 bytes) as 16-byte stores, 8 (FP8) or 4 (FP4) threads
+        per row. Only whole 16-byte chunks exist (counts are multiples of 16 / 32)."""
+        cfg = self.cfg
+        C = cfg.channels
+        groups = cute.size(mult)
+        group = TOKENS_PER_THREAD // groups
+        fp4 = cfg.elem == "e2m1"
+        tokens_per_word = 8 if fp4 else 4
+        words_per_thread = TOKENS_PER_THREAD // tokens_per_word
+        for w in cutlass.range_constexpr(words_per_thread):
+            g = (w * tokens_per_word) // group
+            qv = cute.make_rmem_tensor(tokens_per_word, Int32)
+            for k in cutlass.range_constexpr(tokens_per_word):
+                qv[k] = f32_mul(vals[w * tokens_per_word + k], mult[g])
+            if cutlass.const_expr(fp4):
+                word = Int32(0)
+                for k in cutlass.range_constexpr(tokens_per_word):
+                    word = word | (e2m1_code(qv[k]) << (4 * k))
+                if forced[g] != 0:
+                    word = Int32(0)
+            else:
+                word = fp8x4(qv[0], qv[1], qv[2], qv[3], cfg.elem)
+                if forced[g] != 0:
+                    word = Int32(0x7F7F7F7F)
+            qs[c_local * Q_ROW_WORDS + quarter * words_per_thread + w] = word
+        cute.arch.sync_threads()
+        # Row ch of q holds tokens_sum codes (FP8) or tokens_sum / 2 bytes (E2M1).
+        row_bytes = tokens_sum // 2 if fp4 else tokens_sum
+        tokens_per_chunk = 32 if fp4 else 16
+        chunks = TILE_TOKENS // tokens_per_chunk  # 16-byte chunks per row segment
+        tid = cute.arch.thread_idx()[0]
+        cb = cute.arch.block_idx()[0]
+        for r in cutlass.range_constexpr(TILE_CHANNELS * chunks // THREADS):
+            v = tid + THREADS * r
+            row = v // chunks
+            chunk = v - row * chunks
+            channel = cb * TILE_CHANNELS + row
+            if chunk * tokens_per_chunk < tile_valid and channel < C:
+                base = row * Q_ROW_WORDS + chunk * 4
+                address = q_ptr.toint() + (Int64(channel) * row_bytes
+                                           + (tile_begin + chunk * tokens_per_chunk)
+                                           // (2 if fp4 else 1))
+                st_global_v4(address, qs[base], qs[base + 1], qs[base + 2], qs[base + 3])
+
+    @cute.jit
+    def store_scales(self, sf_ptr, code, expert, j, s_e, c_e, ch, quarter, live, n_valid,
+                     sf_capacity):
+        cfg = self.cfg
+        C = cfg.channels
+        if cutlass.const_expr(cfg.recipe == "blocked"):
+            # Row ch (< round_up(C, 128) by the grid) of the expert's chunk, its columns of
+            # this quarter; padding columns (< C_e, past the tokens) get the zero block's code.
+            mpad = cfg.padded_channels
+            sf8 = cute.recast_ptr(sf_ptr, dtype=Uint8)
+            groups = cute.size(code)
+            for g in cutlass.range_constexpr(groups):
+                col = (j * TILE_TOKENS + quarter * TOKENS_PER_THREAD) // cfg.sf_vec + g
+                if col < c_e and s_e + col < sf_capacity:
+                    offset = (Int64(mpad) * s_e
+                              + 512 * ((ch >> 7) * (c_e >> 2) + (col >> 2))
+                              + 16 * (ch & 31) + 4 * ((ch >> 5) & 3) + (col & 3))
+                    # Padding (rows past the channels, columns past the tokens): code 0,
+                    # whatever the expert's global scale (never NaN).
+                    value = code[g]
+                    if not live or g * (TOKENS_PER_THREAD // groups) >= n_valid:
+                        value = Int32(0)
+                    (sf8 + offset).store(Uint8(value))
+        else:
+            sf = cute.recast_ptr(sf_ptr, dtype=Int32)
+            if quarter == 0 and live:
+                if cutlass.const_expr(cfg.recipe == "block_1x128"):
+                    if s_e + j < sf_capacity:
+                        (sf + (Int64(s_e + j) * C + ch)).store(code[0])
+                else:
+                    if j == 0:
+                        (sf + (Int64(expert) * C + ch)).store(code[0])

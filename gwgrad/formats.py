@@ -30,7 +30,7 @@ DeepGEMM do: one division per block, not per value.
   (exact scaling by a power of two), saturating (amax / 2**s may reach just below
   ``2**(emax + 1)``, above the largest value). A zero block gets the smallest scale (code 0).
   A block holding NaN or Inf gets the NaN scale (code 255): its dequantized values are NaN; its
-  FP8 codes are NaN (0x7F) too.
+  codes are NaN (0x7F) for FP8, 0 for E2M1 (which has no NaN).
 * ``quantize_nvfp4(x)``: the per-expert FP32 global scale ``g = amax / 2688`` (448 * 6; 1.0 for
   an all-zero or empty expert), per row and 16 tokens the E4M3 scale
   ``encode(amax_block / (6 * g))`` and elements ``encode(x * (1 / (scale * g)), "e2m1")`` (0
@@ -244,9 +244,9 @@ def quantize_mx(x: np.ndarray, sf_vec: int, elem: str) -> Tuple[np.ndarray, np.n
     scales = np.where(finite, shared + 127, 255).astype(np.uint8)
     per_token = np.repeat(shared, sf_vec, axis=1)[:, :count].astype(np.int32)
     codes = encode(np.ldexp(x, -per_token), name)
-    if name != "e2m1":  # a non-finite block: NaN codes too (E2M1 has none; the scale is NaN)
-        bad = np.repeat(~finite, sf_vec, axis=1)[:, :count]
-        codes = np.where(bad, np.uint8(0x7F), codes)
+    # A non-finite block: NaN codes too (E2M1 has none: 0; the scale is NaN either way).
+    bad = np.repeat(~finite, sf_vec, axis=1)[:, :count]
+    codes = np.where(bad, np.uint8(0x7F if name != "e2m1" else 0), codes)
     return codes.astype(np.uint8), scales
 
 

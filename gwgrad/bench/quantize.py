@@ -11,10 +11,10 @@ events, warm-up, medians; gwgrad.bench.time_interleaved):
   of what torch code costs;
 * ``copy``: ``dst.copy_(src)`` of x: the HBM bandwidth of this run.
 
-Reported per row and format: microseconds, the quantizer's bytes moved (BF16 read + codes +
-scales written; two reads of x for the two-pass formats count once: the second read is what
-the kernel costs) over its time as a fraction of the copy bandwidth, and gwgrad's speedup over
-the torch code. ``--step``: the whole FP8 weight-gradient step (quantize x and dy, then the
+Reported per row and format: microseconds, the bytes the kernels move (BF16 x read -- twice
+for the two-pass formats per_expert_channel and nvfp4, whose amax kernel reads x once more --
+plus codes and scales written) over the time as a fraction of the copy bandwidth, and gwgrad's
+speedup over the torch code. ``--step``: the whole FP8 weight-gradient step (quantize x and dy, then the
 FP8 GEMM) against gwgrad's BF16 weight gradient, on the shapes with >= 2048 tokens per expert.
 """
 
@@ -68,13 +68,19 @@ def torch_methods(x, offsets, counts):
     }
 
 
+TWO_PASS = ("per_expert_channel", "nvfp4")  # an amax over each whole expert first
+
+
 def row_bytes(fmt: str, tokens: int, channels: int, lay) -> int:
+    """Bytes the kernels move: x read (twice for the two-pass formats, whose amax kernel
+    reads it once more), the codes and the scales written."""
     code = tokens * channels // (2 if lay.elem == "e2m1" else 1)
     scale = 1
     for s in lay.scale_shape:
         scale *= s
     scale *= 4 if lay.scale_dtype.value == "float32" else 1
-    return 2 * tokens * channels + code + scale
+    reads = 2 if fmt in TWO_PASS else 1
+    return 2 * tokens * channels * reads + code + scale
 
 
 def run_row(shape: Dict, operand: str, rounds: int, sample_ms: float) -> Dict:

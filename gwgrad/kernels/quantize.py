@@ -26,9 +26,10 @@ dropped (the GEMM's device check then reports ``SCALES_TOO_SMALL``).
 
 Threads (256): the x tile is staged in shared memory with 16-byte loads (8 threads per
 128-byte token row); thread (quarter q, channel c) then reads channel c of tokens 32q..32q+31,
-computes the amax of its 32 (or 2x16) values as integers on the BF16 bits (NaN/Inf tracked
-apart), converts them with the block's scale (FP32 ``mul.rn`` / ``div.rn`` in inline PTX,
-never flushing denormals; FP8 by ``cvt.rn.satfinite``, E2M1 by an exact compare ladder) into a
+computes the amax of its 32 (or 2x16) values as integers on the BF16 bits (a block holding
+NaN or Inf gets an amax at or past Inf's bits, and forced codes), converts them with the block's scale (FP32 ``mul.rn`` / ``div.rn`` in inline PTX,
+never flushing denormals; FP8 by ``cvt.rn.satfinite``, E2M1 by integer rounding of the FP32
+bits) into a
 shared code tile, which is stored as 16-byte vectors, 8 (FP8) or 4 (FP4) threads per channel
 row segment. Shared rows are padded by one word (no bank conflicts either way). 1x128 and
 per-channel amaxes are combined across the four quarters in shared memory.
@@ -243,17 +244,25 @@ def f32_gt(a: Int32, b: Int32) -> Int32:
     return Int32(a > b) * Int32(a <= NONFINITE)
 
 
+def f32_fma(a: Int32, b: Int32, c: Int32) -> Int32:
+    """``a * b + c`` (FP32 bits), one rounding to nearest even, subnormals kept."""
+    return Int32(_asm(T.i32(), [Int32(a), Int32(b), Int32(c)],
+                      "{\n\t.reg .f32 x, y, z, r;\n\tmov.b32 x, $1;\n\tmov.b32 y, $2;\n\t"
+                      "mov.b32 z, $3;\n\tfma.rn.f32 r, x, y, z;\n\tmov.b32 $0, r;\n\t}",
+                      "=r,r,r,r"))
+
+
 def e2m1_code(q: Int32) -> Int32:
     """E2M1 code (4 bits) of an FP32 value (bits): nearest, ties to even, saturating to 6;
-    NaN gives 0. The ladder compares the magnitude with the midpoints between codes."""
+    NaN gives 0. From 1 up the FP32 mantissa is rounded to one bit on the integer bits (a
+    carry moves into the exponent; codes past 7 saturate); below 1 the codes 0, 1, 2 are
+    ``2|q|`` rounded to an integer (``2|q| + 2**23`` in FP32)."""
     a = q & 0x7FFFFFFF
-    ok = Int32(a <= NONFINITE)  # not NaN
-    code = (Int32(a > 0x3E800000) + Int32(a >= 0x3F400000)  # 0.25, 0.75
-            + Int32(a > 0x3FA00000) + Int32(a >= 0x3FE00000)  # 1.25, 1.75
-            + Int32(a > 0x40200000) + Int32(a >= 0x40600000)  # 2.5, 3.5
-            + Int32(a > 0x40A00000))  # 5.0
-    sign = Int32((q >> 31) & 1) * 8
-    return (code + sign) * ok
+    rounded = (a + 0x1FFFFF + ((a >> 22) & 1)) >> 22
+    code = cutlass.min(rounded - 252, 7)
+    small = f32_fma(a, Int32(0x40000000), Int32(0x4B000000)) - 0x4B000000
+    code = code + Int32(a < 0x3F800000) * (small - code)
+    return (code | ((q >> 28) & 8)) * Int32(a <= NONFINITE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -537,16 +546,10 @@ class GroupedQuantizer:
         bad = cute.make_rmem_tensor(groups, Int32)
         for g in cutlass.range_constexpr(groups):
             m = Int32(0)
-            nf = Int32(0)
             for i in cutlass.range_constexpr(group):
-                a = vals[g * group + i] & 0x7FFFFFFF
-                finite = a < NONFINITE
-                if finite:
-                    m = cutlass.max(m, a)
-                else:
-                    nf = Int32(1)
-            amax[g] = m
-            bad[g] = nf
+                m = cutlass.max(m, vals[g * group + i] & 0x7FFFFFFF)
+            amax[g] = m  # its codes are forced below when the block is not finite
+            bad[g] = Int32(m >= NONFINITE)
 
         if cutlass.const_expr(amax_pass):
             self.record_amax(ws, red, amax, bad, expert, ch, c_local, quarter, live)
@@ -636,8 +639,7 @@ class GroupedQuantizer:
                 code[g] = s + 127
                 if bad[g] != 0:
                     code[g] = Int32(255)
-                    if cutlass.const_expr(cfg.elem != "e2m1"):
-                        forced[g] = Int32(1)
+                    forced[g] = Int32(1)
         if cutlass.const_expr(cfg.nvfp4):
             gbits = self.global_scale(ws[expert])
             if j == 0 and cute.arch.block_idx()[0] == 0 and cute.arch.thread_idx()[0] == 0:

@@ -191,7 +191,8 @@ def reference_quantize(x: Any, offsets: Any, fmt: str, elem: Optional[str] = Non
             mpad = lay.scale_shape[0]
             cols = chunk.size // mpad
             # The blocked tensor's bytes are addressed flat (gwgrad/scales.py): the expert's
-            # chunk starts at byte Mpad * S_e; columns past the capacity are not written.
+            # chunk starts at byte Mpad * S_e; bytes past the tensor (Mpad * capacity) are not
+            # written, as in the kernel.
             flat = scales.reshape(-1)
             keep = max(0, min(cols, lay.scale_capacity - column))
             flat[mpad * column:mpad * (column + keep)] = chunk[:mpad * keep]

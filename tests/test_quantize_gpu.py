@@ -188,9 +188,10 @@ def test_invalid_offsets_stay_inside(rng, fmt):
     byte outside the outputs changes, and the result is the model's (same sanitizing)."""
     multiple = Q.count_multiple(fmt)
     tokens = 8 * 128
-    x, values = bf16_input(rng, tokens, 96)
+    x, values = bf16_input(rng, tokens, 200)
     for offsets in ([256, 128, 512, tokens],  # decreasing
                     [-64, 256, 100000, tokens],  # negative, past the end
+                    [2**31 - 1, -2**31, 0, tokens],  # int32 extremes: overlapping ranges
                     [multiple // 2, 3 * multiple, 5 * multiple + 3, tokens]):  # misaligned
         run_and_compare(x, values, np.asarray(offsets), fmt, Q.FORMATS[fmt].elems[0])
 
@@ -200,7 +201,7 @@ def test_small_scale_capacity(rng, fmt):
     """A scale tensor too small for the counts: only the scales that fit are written."""
     multiple = Q.count_multiple(fmt)
     counts = np.array([4, 3, 0, 5]) * 128 + multiple
-    x, values = bf16_input(rng, int(counts.sum()), 64)
+    x, values = bf16_input(rng, int(counts.sum()), 200)  # two row atoms of blocked scales
     f = Q.FORMATS[fmt]
     minimum = (-(-int(counts.sum()) // (f.sf_vec)))
     capacity = -(-minimum // 4) * 4 if f.recipe == "blocked" else minimum

@@ -738,16 +738,20 @@ class GroupedQuantizer:
             groups = cute.size(code)
             for g in cutlass.range_constexpr(groups):
                 col = (j * TILE_TOKENS + quarter * TOKENS_PER_THREAD) // cfg.sf_vec + g
-                if col < c_e and s_e + col < sf_capacity:
+                if col < c_e:
                     offset = (Int64(mpad) * s_e
                               + 512 * ((ch >> 7) * (c_e >> 2) + (col >> 2))
                               + 16 * (ch & 31) + 4 * ((ch >> 5) & 3) + (col & 3))
-                    # Padding (rows past the channels, columns past the tokens): code 0,
-                    # whatever the expert's global scale (never NaN).
-                    value = code[g]
-                    if not live or g * (TOKENS_PER_THREAD // groups) >= n_valid:
-                        value = Int32(0)
-                    (sf8 + offset).store(Uint8(value))
+                    # The tensor holds Mpad * sf_capacity bytes, addressed flat: bytes past
+                    # them are dropped (a column test would let the row atoms >= 1 of a cut
+                    # chunk overflow).
+                    if offset < Int64(mpad) * sf_capacity:
+                        # Padding (rows past the channels, columns past the tokens): code 0,
+                        # whatever the expert's global scale (never NaN).
+                        value = code[g]
+                        if not live or g * (TOKENS_PER_THREAD // groups) >= n_valid:
+                            value = Int32(0)
+                        (sf8 + offset).store(Uint8(value))
         else:
             sf = cute.recast_ptr(sf_ptr, dtype=Int32)
             if quarter == 0 and live:

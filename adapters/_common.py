@@ -9,7 +9,7 @@ the adapters' (``renamed``), with no message editing.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Mapping
 
 from gwgrad.errors import ArgumentError
 
@@ -25,6 +25,14 @@ NAMES = {
     "sfb_tensor": "dy_scale (sfb_tensor)",
     "global_scale_a": "x_global_scale (global_scale_a)",
     "global_scale_b": "dy_global_scale (global_scale_b)",
+}
+
+#: gwgrad.quantize's output arguments -> the adapters' ``quantize(..., out=(data, scales,
+#: global_scale))`` (x, offsets, fmt and elem keep their names)
+QUANTIZE_NAMES = {
+    "data": "out[0] (data)",
+    "scales": "out[1] (scales)",
+    "global_scale": "out[2] (global_scale)",
 }
 
 #: The FP8 recipes the adapters' ``wgrad_fp8`` take (gwgrad/scales.py), and the core's
@@ -49,12 +57,13 @@ FP8_DOC = """FP8 weight gradient with FP32 scales: for every expert e,
 
 
 @contextlib.contextmanager
-def adapter_names() -> Iterator[None]:
-    """Re-raise the core's ArgumentErrors under the adapter's argument names."""
+def adapter_names(names: Mapping[str, str] = NAMES) -> Iterator[None]:
+    """Re-raise the core's ArgumentErrors under the adapter's argument names (``names``:
+    ``NAMES`` for the GEMMs, ``QUANTIZE_NAMES`` for ``quantize``)."""
     try:
         yield
     except ArgumentError as exc:
-        renamed = exc.renamed(NAMES)
+        renamed = exc.renamed(names)
         if renamed is exc:
             raise
         raise renamed from None

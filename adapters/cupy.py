@@ -23,6 +23,14 @@ workspace come from CuPy's memory pool on that stream. No host synchronization (
 are read by the kernel on the device; ``validate_offsets=True`` checks them on the host
 first), except that discrete outputs' addresses are copied from the host each call.
 
+``quantize(x, offsets, fmt, dtype="bfloat16")`` is gwgrad's grouped quantizer (gwgrad.quantize):
+bfloat16 bits grouped by ``offsets`` to the block-scaled operands ``(data, scales,
+global_scale)``, the FP8 / FP4 / E8M0 ones as uint8 bytes, FP32 scales as float32:
+
+    xt, sx, _ = gwc.quantize(x_bits, offsets, "block_1x128", dtype="bfloat16")
+    dyt, sdy, _ = gwc.quantize(dy_bits, offsets, "block_1x128", dtype="bfloat16")
+    w = gwc.wgrad_fp8(xt.T, dyt.T, offsets, sx, sdy, scale_recipe="block_1x128", fp8="e4m3")
+
 NumPy arrays (on the CPU) are accepted too and run on gwgrad's reference implementation, so
 code written against this adapter runs in CPU-only tests.
 """
@@ -42,9 +50,10 @@ from gwgrad.interop import numpy as np_interop
 from gwgrad.plan import LaunchPlan, plan_for
 from gwgrad.tensors import TensorDesc, from_pointer
 
-from ._common import FP8_DOC, FP8_RECIPES, NAMES, adapter_names, experts_hidden_intermediate
+from ._common import (FP8_DOC, FP8_RECIPES, NAMES, QUANTIZE_NAMES, adapter_names,
+                      experts_hidden_intermediate)
 
-__all__ = ["wgrad", "wgrad_fp8", "to_bfloat16_bits", "from_bfloat16_bits"]
+__all__ = ["wgrad", "wgrad_fp8", "quantize", "to_bfloat16_bits", "from_bfloat16_bits"]
 
 
 def _cupy():
@@ -359,3 +368,85 @@ wgrad_fp8.__doc__ = FP8_DOC + """
     as uint16 bits) or a dense (num_experts, hidden, intermediate) array (per-expert outputs:
     the core API's ``wgrad_ptrs``). Runs on ``stream`` or CuPy's current stream; NumPy arrays
     run the reference."""
+
+
+# --- quantize: BF16 x grouped by expert to block-scaled operands ----------------------------
+
+def quantize(x: Any, offsets: Any, fmt: str, *, elem: Optional[str] = None,
+             out: Optional[Sequence[Any]] = None, dtype: Optional[str] = None,
+             stream: Any = None) -> Tuple[Any, Any, Optional[Any]]:
+    """Quantize ``x`` (tokens, channels), bfloat16, row-major (``dtype="bfloat16"`` for uint16
+    / int16 bits, as in ``wgrad``), grouped by expert through ``offsets`` (int32
+    (num_experts,), the cumulative token counts; read on the device, never on the host) into
+    ``fmt``: "mxfp8", "mxfp4", "nvfp4", "per_expert_channel" or "block_1x128"
+    (gwgrad/quantizers.py; ``elem``: "e4m3" (default) or "e5m2" for the FP8 formats).
+
+    Returns ``(data, scales, global_scale)`` as CuPy arrays (NumPy for NumPy inputs), shapes
+    from ``gwgrad.quantizers.layout(fmt, tokens, channels, num_experts, elem)``; CuPy has no
+    FP8 / FP4 / E8M0 dtypes, so those come as their bytes:
+
+    * ``data`` uint8 (channels, tokens), tokens contiguous: FP8 codes (``wgrad_fp8(data.T,
+      ..., fp8=elem)``), or packed E2M1 (channels, tokens // 2) for mxfp4 / nvfp4;
+    * ``scales`` uint8 E8M0 (mxfp8, mxfp4) / E4M3 (nvfp4) codes in the blocked layout
+      (round_up(channels, 128), capacity), or float32 (num_experts, channels)
+      (per_expert_channel) / (capacity, channels) (block_1x128), ``wgrad_fp8``'s scales;
+    * ``global_scale`` float32 (num_experts,) for nvfp4, else None.
+
+    out: None (new arrays from CuPy's pool on the launch stream) or a ``(data, scales,
+    global_scale)`` tuple to write into (a previous call's result; FP8 / FP4 / E8M0 outputs
+    may also be arrays of those dtypes, e.g. ml_dtypes NumPy arrays). Every expert's count
+    must be a multiple of ``gwgrad.quantizers.count_multiple(fmt)``, and so must ``tokens``
+    (a count that is not, or invalid offsets, are quantized as an empty expert). Runs on
+    ``stream`` or CuPy's current stream, without a host synchronization (the workspace:
+    gwgrad's per-stream buffer); NumPy arrays run the NumPy model, bit-equal to the kernel.
+    """
+    import gwgrad
+    from gwgrad import quantizers
+
+    bits = dtype is not None
+    if bits and as_dtype(dtype, "dtype") != DType.BFLOAT16:
+        raise ArgumentError("dtype", f"expected None or 'bfloat16', got {dtype!r}")
+    if elem is not None and not isinstance(elem, str):
+        try:
+            elem = np.dtype(elem).name  # an ml_dtypes float8 dtype -> "float8_e4m3fn"
+        except TypeError:
+            pass  # gwgrad.quantizers names elem in its error
+    xd = _describe(x, "x", bits)
+    od = _describe(offsets, "offsets", False)
+    device = (xd.device_type, xd.device_id)
+    launch_stream = _resolve_stream(stream, device)
+    if out is None:
+        if xd.ndim != 2:
+            raise ArgumentError("x", f"expected a 2-D bfloat16 (tokens, channels) array, got "
+                                     f"{xd.ndim}-D {xd.dtype}")
+        if od.ndim != 1:
+            raise ArgumentError("offsets", f"expected a 1-D int32 array of at least one "
+                                           f"expert, got {od.ndim}-D {od.dtype}")
+        lay = quantizers.layout(fmt, xd.shape[0], xd.shape[1], od.shape[0], elem)
+        outs = tuple(None if shape is None else
+                     _empty(x, shape, DType.FLOAT32 if kind == DType.FLOAT32 else DType.UINT8,
+                            device, launch_stream, stream is not None)
+                     for shape, kind in ((lay.data_shape, lay.data_dtype),
+                                         (lay.scale_shape, lay.scale_dtype),
+                                         (lay.global_shape, DType.FLOAT32)))
+    else:
+        if not isinstance(out, (tuple, list)) or len(out) not in (2, 3):
+            raise ArgumentError("out", f"expected None or a (data, scales, global_scale) tuple, "
+                                       f"got {type(out).__name__}"
+                                       + (f" of length {len(out)}"
+                                          if isinstance(out, (tuple, list)) else ""))
+        outs = (*out, None) if len(out) == 2 else tuple(out)
+        f = quantizers.FORMATS.get(fmt) if isinstance(fmt, str) else None
+        if outs[2] is None and f is not None and f.global_scale:
+            raise ArgumentError(QUANTIZE_NAMES["global_scale"], f"expected a float32 "
+                                f"(num_experts,) array ({fmt}'s per-expert global scales), "
+                                f"got None")
+        if outs[0] is None or outs[1] is None:
+            name = QUANTIZE_NAMES["data" if outs[0] is None else "scales"]
+            raise ArgumentError(name, "expected an array, got None")
+    descs = [None if o is None else _describe(o, QUANTIZE_NAMES[name], False)
+             for name, o in zip(("data", "scales", "global_scale"), outs)]
+    with adapter_names(QUANTIZE_NAMES):
+        gwgrad.quantize(xd, od, fmt, elem=elem, data=descs[0], scales=descs[1],
+                        global_scale=descs[2], stream=launch_stream)
+    return outs

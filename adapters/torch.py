@@ -13,6 +13,9 @@ counts. The ops:
                                     bool accumulate) -> ()
     gwgrad::grouped_gemm_wgrad_discrete(Tensor x, Tensor dy, Tensor offsets, Tensor(a!)[] outs,
                                         bool accumulate) -> ()
+    gwgrad::grouped_gemm_wgrad_fp8_into(...) -> ()                      (wgrad_fp8)
+    gwgrad::quantize_into(Tensor x, Tensor offsets, str fmt, str? elem, Tensor(a!) data,
+                          Tensor(b!) scales, Tensor(c!)? global_scale) -> ()   (quantize)
 
 have fake (meta) kernels, so ``torch.compile`` and ``torch.library.opcheck`` work. CUDA
 tensors run gwgrad's kernel on torch's current stream; the output and the kernel's workspace
@@ -26,6 +29,15 @@ offsets make the kernel write nothing, and the ``ValueError`` naming ``offsets``
 ``gwgrad.check_errors()`` or the next gwgrad call (gwgrad/status.py). ``validate_offsets=True``
 checks them on the host too, before launching (one sync).
 
+``quantize(x, offsets, fmt)`` is gwgrad's grouped quantizer (gwgrad.quantize): BF16 ``x``
+(tokens, channels) grouped by ``offsets`` to the block-scaled operands ``(data, scales,
+global_scale)`` of the FP8 / FP4 GEMMs, in torch's FP8 / FP4 / E8M0 dtypes; ``data.t()`` is
+``wgrad_fp8``'s x or dy:
+
+    xt, sx, _ = gwt.quantize(x, offsets, "block_1x128")
+    dyt, sdy, _ = gwt.quantize(dy, offsets, "block_1x128")
+    w = gwt.wgrad_fp8(xt.t(), dyt.t(), offsets, sx, sdy, scale_recipe="block_1x128")
+
 Host cost: ``wgrad()`` in eager mode calls the kernel launcher directly (the dispatcher adds
 ~5 us and nothing else: these ops have no autograd formula), and under ``torch.compile``,
 dispatch modes or tensor subclasses goes through the op. See ``gwgrad/bench/adapters.py``.
@@ -33,17 +45,20 @@ dispatch modes or tensor subclasses goes through the op. See ``gwgrad/bench/adap
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from gwgrad.dtypes import DType
 from gwgrad.errors import ArgumentError
 from gwgrad.interop import torch as tinterop
 from gwgrad.plan import LaunchPlan, plan_for
 
-from ._common import FP8_DOC, FP8_RECIPES, NAMES, adapter_names, experts_hidden_intermediate
+from ._common import (FP8_DOC, FP8_RECIPES, NAMES, QUANTIZE_NAMES, adapter_names,
+                      experts_hidden_intermediate)
 
-__all__ = ["wgrad", "wgrad_fp8", "GroupedExpertLinear", "grouped_expert_linear", "grouped_mm_reference"]
+__all__ = ["wgrad", "wgrad_fp8", "quantize", "GroupedExpertLinear", "grouped_expert_linear",
+           "grouped_mm_reference"]
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -376,6 +391,169 @@ wgrad_fp8.__doc__ = FP8_DOC + """
     ``validate_offsets=True`` checks them on the host first. Runs on torch's current stream;
     under ``torch.compile`` through ``torch.ops.gwgrad.grouped_gemm_wgrad_fp8_into``. Needs
     an SM90 GPU (CPU tensors run the reference)."""
+
+
+# --- quantize: BF16 x grouped by expert to block-scaled operands ----------------------------
+
+_lib.define("quantize_into(Tensor x, Tensor offsets, str fmt, str? elem, Tensor(a!) data, "
+            "Tensor(b!) scales, Tensor(c!)? global_scale) -> ()")
+
+
+def _quantize_launch(x, offsets, fmt, elem, data, scales, global_scale):
+    """gwgrad.quantize into the given outputs, on torch's current stream (CPU: the model)."""
+    import gwgrad
+
+    stream = tinterop.current_stream(x.device.index) if x.is_cuda else 0
+    with adapter_names(QUANTIZE_NAMES):
+        gwgrad.quantize(x, offsets, fmt, elem=elem, data=data, scales=scales,
+                        global_scale=global_scale, stream=stream)
+
+
+def _quantize_into(x, offsets, fmt, elem, data, scales, global_scale):
+    _quantize_launch(x, offsets, fmt, elem, data, scales, global_scale)
+
+
+for _key in ("CPU", "CUDA"):
+    _lib.impl("quantize_into", _quantize_into, _key)
+
+
+@torch.library.register_fake("gwgrad::quantize_into")
+def _fake_quantize_into(x, offsets, fmt, elem, data, scales, global_scale):
+    return None
+
+
+def _torch_dtype(dtype) -> torch.dtype:
+    """The torch dtype of a gwgrad DType; uint8 (the same bytes) for an FP8 / FP4 / E8M0 type
+    this torch lacks."""
+    try:
+        return tinterop.native_dtype(dtype)
+    except KeyError:
+        return torch.uint8
+
+
+def _quantize_layout(x, offsets, fmt, elem):
+    """gwgrad.quantizers.layout of a call (ArgumentError naming x, offsets, fmt or elem when
+    there is none)."""
+    from gwgrad import quantizers
+
+    if x.dim() != 2:
+        raise ArgumentError("x", f"expected a 2-D bfloat16 (tokens, channels) array, got "
+                                 f"{x.dim()}-D {x.dtype}")
+    if offsets.dim() != 1:
+        raise ArgumentError("offsets", f"expected a 1-D int32 array of at least one expert, "
+                                       f"got {offsets.dim()}-D {offsets.dtype}")
+    return quantizers.layout(fmt, int(x.shape[0]), int(x.shape[1]), int(offsets.shape[0]), elem)
+
+
+def _quantize_outputs(lay, device):
+    """New (data, scales, global_scale) on ``device`` with the layout's shapes and dtypes."""
+    shapes = [(lay.data_shape, lay.data_dtype), (lay.scale_shape, lay.scale_dtype),
+              (lay.global_shape, DType.FLOAT32)]
+    return tuple(None if shape is None else
+                 torch.empty(shape, dtype=_torch_dtype(dtype), device=device)
+                 for shape, dtype in shapes)
+
+
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+def _bytes_if_e8m0(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == _E8M0 and _E8M0 is not None else t
+
+
+def _quantize_given(out, fmt) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``out`` as (data, scales, global_scale), every entry a tensor (global_scale: None for
+    the formats without global scales)."""
+    from gwgrad import quantizers
+
+    if not isinstance(out, (tuple, list)) or len(out) not in (2, 3):
+        raise ArgumentError("out", f"expected None or a (data, scales, global_scale) tuple, got "
+                                   f"{type(out).__name__}"
+                                   + (f" of length {len(out)}" if isinstance(out, (tuple, list))
+                                      else ""))
+    data, scales, gs = (*out, None) if len(out) == 2 else out
+    for i, (name, t) in enumerate((("data", data), ("scales", scales))):
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentError(QUANTIZE_NAMES[name], f"expected a torch.Tensor, got "
+                                                      f"{type(t).__name__}")
+    f = quantizers.FORMATS.get(fmt) if isinstance(fmt, str) else None
+    if gs is None and f is not None and f.global_scale:
+        raise ArgumentError(QUANTIZE_NAMES["global_scale"], f"expected a float32 "
+                            f"(num_experts,) tensor ({fmt}'s per-expert global scales), got None")
+    if gs is not None and not isinstance(gs, torch.Tensor):
+        raise ArgumentError(QUANTIZE_NAMES["global_scale"], f"expected None or a torch.Tensor, "
+                                                            f"got {type(gs).__name__}")
+    return data, scales, gs
+
+
+def quantize(x: torch.Tensor, offsets: torch.Tensor, fmt: str, *,
+             elem: Union[str, torch.dtype, None] = None,
+             out: Optional[Sequence[Optional[torch.Tensor]]] = None
+             ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Quantize ``x`` (tokens, channels), bfloat16, row-major, grouped by expert through
+    ``offsets`` (int32 (num_experts,), the cumulative token counts; read on the device, never
+    on the host) into ``fmt``: "mxfp8", "mxfp4", "nvfp4", "per_expert_channel" or
+    "block_1x128" (gwgrad/quantizers.py). ``elem``: "e4m3" (default) or "e5m2" (or
+    torch.float8_e4m3fn / torch.float8_e5m2) for the FP8 formats.
+
+    Returns ``(data, scales, global_scale)``, shapes from ``gwgrad.quantizers.layout(fmt,
+    tokens, channels, num_experts, elem)``:
+
+    * ``data`` (channels, tokens), tokens contiguous: torch.float8_e4m3fn / float8_e5m2 for
+      the FP8 formats, packed E2M1 torch.float4_e2m1fn_x2 (channels, tokens // 2) for mxfp4 /
+      nvfp4 (uint8 in a torch without it). Pass ``data.t()`` as ``wgrad_fp8``'s x / dy;
+    * ``scales``: E8M0 torch.float8_e8m0fnu (mxfp8, mxfp4) or E4M3 torch.float8_e4m3fn
+      (nvfp4) in the blocked layout (round_up(channels, 128), capacity); float32
+      (num_experts, channels) (per_expert_channel) or (capacity, channels) (block_1x128),
+      ``wgrad_fp8``'s x_scale / dy_scale as they are;
+    * ``global_scale``: float32 (num_experts,) for nvfp4, else None.
+
+    out: None (new tensors from torch's caching allocator) or a ``(data, scales,
+    global_scale)`` tuple to write into (a previous call's result: reuse across steps; no
+    allocation then, so the call can be captured in a CUDA graph once a call of its shape has
+    compiled the kernel). FP8 / FP4 / E8M0 outputs may be uint8 tensors of the same shape; a
+    blocked or block_1x128 ``scales`` may hold more columns / rows than the default bound.
+    Returns ``out`` (its tensors) when given.
+
+    Every expert's count must be a multiple of ``gwgrad.quantizers.count_multiple(fmt)`` (32
+    for the blocked formats, 16 for the FP32 ones), and so must ``tokens``: a count that is not,
+    or invalid offsets, are quantized as an empty expert (the GEMM's own offsets check reports
+    them). CUDA tensors run the CuTe DSL quantizer on torch's current stream (no host
+    synchronization); CPU tensors run the NumPy model, bit-equal to it. Under
+    ``torch.compile`` (and dispatch modes, meta tensors) through
+    ``torch.ops.gwgrad.quantize_into``; E8M0 outputs pass through the op as their uint8
+    bytes, since inductor cannot yet functionalize an op that writes a float8_e8m0fnu tensor
+    (pytorch/pytorch#189522), and for the same reason E8M0 ``out`` scales given to a function
+    compiled with inductor should be uint8 tensors.
+    """
+    for name, t in (("x", x), ("offsets", offsets)):
+        if not isinstance(t, torch.Tensor):
+            raise ArgumentError(name, f"expected a torch.Tensor, got {type(t).__name__}")
+    if isinstance(elem, torch.dtype):
+        elem = str(elem).removeprefix("torch.")  # gwgrad.quantizers reads float8_e4m3fn
+    if out is None:
+        data, scales, gs = _quantize_outputs(_quantize_layout(x, offsets, fmt, elem), x.device)
+    else:
+        data, scales, gs = _quantize_given(out, fmt)
+    tensors = [("x", x), ("offsets", offsets), (QUANTIZE_NAMES["data"], data),
+               (QUANTIZE_NAMES["scales"], scales)]
+    if gs is not None:
+        tensors.append((QUANTIZE_NAMES["global_scale"], gs))
+    if _eager(*(t for _, t in tensors)):
+        _quantize_launch(x, offsets, fmt, elem, data, scales, gs)
+        return data, scales, gs
+    # Tracing, a dispatch mode or meta tensors: fmt, elem and the tensors' devices checked here
+    # (meta ones all or none), the rest by the op's real kernel (its fake one writes nothing).
+    lay = _quantize_layout(x, offsets, fmt, elem)
+    for name, t in tensors[1:]:
+        if t.device != x.device:
+            raise ArgumentError(name, f"expected a tensor on {x.device} like x (all tensors "
+                                      f"on one device), got one on {t.device}")
+    # E8M0 outputs go to the op as their bytes: inductor cannot yet functionalize an op that
+    # writes a float8_e8m0fnu tensor (pytorch/pytorch#189522).
+    torch.ops.gwgrad.quantize_into.default(x, offsets, fmt, lay.elem, _bytes_if_e8m0(data),
+                                           _bytes_if_e8m0(scales), gs)
+    return data, scales, gs
 
 
 # --- example: a grouped expert linear layer with gwgrad in its backward ---------------------

@@ -3,19 +3,21 @@
     python examples/torch_fp8_wgrad.py
 
 A training step's BF16 ``x`` (tokens, hidden) and ``dy`` (tokens, intermediate), grouped by
-expert, are quantized on the device with plain torch ops (no host synchronization) in the two
-FP32-scale recipes gwgrad's SM90 FP8 kernel runs, then ``gwgrad.adapters.torch.wgrad_fp8``
-computes ``dW[e] = x_e.T @ dy_e`` from them:
+expert, are quantized on the device by ``gwgrad.adapters.torch.quantize`` (gwgrad's grouped
+quantizer: one kernel call per tensor, offsets read on the device, no host synchronization) in
+the two FP32-scale recipes gwgrad's SM90 FP8 kernel runs, then
+``gwgrad.adapters.torch.wgrad_fp8`` computes ``dW[e] = x_e.T @ dy_e`` from them:
 
-* ``per_expert_channel``: one scale per expert and channel, ``amax / 448`` over the expert's
-  tokens (``torch._scaled_grouped_mm``'s 2D-2D convention);
+* ``per_expert_channel``: one scale per expert and channel, from the channel's amax over the
+  expert's tokens (``torch._scaled_grouped_mm``'s 2D-2D convention);
 * ``block_1x128``: one scale per channel per 128 tokens of an expert (DeepSeek-V3's recipe).
 
-Hopper's FP8 tensor cores read token-contiguous operands, so the quantized data is stored
-transposed, ``(hidden, tokens)``, and passed as its ``.t()`` view. Every expert's token count
-is a multiple of 16 here (pad each expert's group to 16 tokens in a real step: TMA needs
-16-byte rows). Runs on an SM90 GPU, else on the CPU (gwgrad's reference, smaller sizes);
-prints the relative error against the BF16 weight gradient and, on the GPU, both times.
+Hopper's FP8 tensor cores read token-contiguous operands, so ``quantize`` stores the data
+transposed, ``(hidden, tokens)``, and it is passed as its ``.t()`` view. Every expert's token
+count is a multiple of 16 here (``gwgrad.quantizers.count_multiple``: pad each expert's group
+to 16 tokens in a real step; TMA needs 16-byte rows). Runs on an SM90 GPU, else on the CPU
+(gwgrad's reference and the quantizer's NumPy model, smaller sizes); prints the relative error
+against the BF16 weight gradient and, on the GPU, the times of the quantizer and the GEMMs.
 """
 
 import torch
@@ -33,33 +35,17 @@ tokens = int(counts.sum())  # (a shape: needed to allocate; the kernels never re
 offsets = torch.cumsum(counts, 0).to(torch.int32)
 x = torch.randn(tokens, hidden, device=device).bfloat16()
 dy = torch.randn(tokens, inter, device=device).bfloat16()
-expert_of = torch.repeat_interleave(torch.arange(experts, device=device), counts)
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
-
-def quantize(v, group, groups):
-    """E4M3 data stored token-contiguous, and FP32 scales amax / 448 per (group, channel)."""
-    amax = torch.zeros(groups, v.shape[1], device=device).scatter_reduce_(
-        0, group[:, None].expand(v.shape), v.float().abs(), "amax")
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    data = (v.float() / scale[group]).to(torch.float8_e4m3fn)
-    return data.t().contiguous(), scale  # (channels, tokens): pass data.t()
-
-
-# per_expert_channel: the group of a token is its expert.
-xt, sx = quantize(x, expert_of, experts)
-dyt, sdy = quantize(dy, expert_of, experts)
+# per_expert_channel: E4M3 data (hidden, tokens) / (inter, tokens), FP32 scales (experts, C).
+xt, sx, _ = gwt.quantize(x, offsets, "per_expert_channel")
+dyt, sdy, _ = gwt.quantize(dy, offsets, "per_expert_channel")
 w_channel = gwt.wgrad_fp8(xt.t(), dyt.t(), offsets, sx, sdy, scale_recipe="per_expert_channel",
                           out_dtype=torch.float32)
 
-# block_1x128: the group is the token's 128-token block, experts' blocks in order.
-blocks = (counts + 127) // 128
-first_block = torch.cumsum(blocks, 0) - blocks
-begin = offsets.long() - counts
-block_of = first_block[expert_of] + (torch.arange(tokens, device=device) - begin[expert_of]) // 128
-rows = int(blocks.sum())
-xt_b, sx_b = quantize(x, block_of, rows)
-dyt_b, sdy_b = quantize(dy, block_of, rows)
+# block_1x128: FP32 scales (R, C), one row per 128 tokens of an expert, experts' rows in order
+# (R: a bound that holds any counts; the GEMM reads only the rows the counts need).
+xt_b, sx_b, _ = gwt.quantize(x, offsets, "block_1x128")
+dyt_b, sdy_b, _ = gwt.quantize(dy, offsets, "block_1x128")
 w_block = gwt.wgrad_fp8(xt_b.t(), dyt_b.t(), offsets, sx_b, sdy_b, scale_recipe="block_1x128",
                         out_dtype=torch.float32)
 
@@ -81,6 +67,18 @@ if device == "cuda":
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end) / reps
+
+    # The quantizer: x and dy into the outputs of the calls above (no allocation), as a
+    # training step reuses them; bytes moved: BF16 read, FP8 written (scales are small).
+    moved = 3.0 * tokens * (hidden + inter)
+    for name, fmt, outs in (("per_expert_channel", "per_expert_channel", ((xt, sx), (dyt, sdy))),
+                            ("block_1x128", "block_1x128", ((xt_b, sx_b), (dyt_b, sdy_b)))):
+        def quantize_both(fmt=fmt, outs=outs):
+            gwt.quantize(x, offsets, fmt, out=(*outs[0], None))
+            gwt.quantize(dy, offsets, fmt, out=(*outs[1], None))
+
+        ms = timed(quantize_both)
+        print(f"quantize x, dy {name:18s} {ms * 1e3:8.1f} us  {moved / ms / 1e6:6.0f} GB/s")
 
     flops = 2.0 * hidden * inter * tokens
     out = torch.empty_like(w_bf16)

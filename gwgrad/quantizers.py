@@ -83,7 +83,8 @@ def _elem(fmt: str, elem: Optional[str]) -> str:
     f = _format(fmt)
     if elem is None:
         return f.elems[0]
-    name = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}.get(str(elem), str(elem))
+    text = str(elem).removeprefix("torch.").removeprefix("DType.").lower()
+    name = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}.get(text, text)
     if name not in f.elems:
         fail("elem", f"{' or '.join(f.elems)} for {fmt}", repr(elem))
     return name
@@ -324,7 +325,7 @@ def quantize(x: Any, offsets: Any, fmt: str, *, elem: Optional[str] = None, data
     elif sd is not None and f.recipe == sc.BLOCK_1X128 and sd.ndim == 2:
         capacity = sd.shape[0]
     lay = layout(fmt, tokens, channels, experts, elem, capacity)
-    stream_h = interop.resolve_stream(stream, xd.framework, xd.device_id)
+    stream_h = interop.resolve_stream(stream, xd.framework, xd.device_id) if xd.is_cuda else 0
 
     dd = interop.as_tensor_desc(data, "data")
     gd = interop.as_tensor_desc(global_scale, "global_scale")
@@ -341,7 +342,13 @@ def quantize(x: Any, offsets: Any, fmt: str, *, elem: Optional[str] = None, data
             if xd.framework != "torch" and dtype != DType.FLOAT32 and (
                     xd.is_cuda or dtype == DType.FLOAT4_E2M1FN_X2):
                 dtype = DType.UINT8  # arrays without FP8 / FP4 / E8M0 types get the bytes
-            out, desc = interop.allocate(xd, shape, dtype, stream_h)
+            cupy_ = interop.framework("cupy") if xd.framework == "cupy" and xd.is_cuda else None
+            if cupy_ is not None:  # CuPy's allocator, in bytes or float32 (no FP8 types)
+                out = cupy_.empty(shape, np.dtype(np.uint8 if dtype == DType.UINT8
+                                                  else np.float32), xd.device_id, stream_h)
+                desc = interop.as_tensor_desc(out, name)
+            else:
+                out, desc = interop.allocate(xd, shape, dtype, stream_h)
         else:
             out = desc.owner if desc.owner is not None else desc
             allowed = (dtype,) if dtype in (DType.FLOAT32,) else (dtype, DType.UINT8)
@@ -368,8 +375,10 @@ def quantize(x: Any, offsets: Any, fmt: str, *, elem: Optional[str] = None, data
         for name, d in (("x", xd), ("data", data_d), ("scales", scales_d)):
             if d.ptr % 16:
                 fail(name, "a 16-byte aligned address", hex(d.ptr))
-        if od.ptr % 4 or (gs_d is not None and gs_d.ptr % 4):
-            fail("offsets", "4-byte aligned offsets and global scales", hex(od.ptr))
+        if od.ptr % 4:
+            fail("offsets", "a 4-byte aligned address", hex(od.ptr))
+        if gs_d is not None and gs_d.ptr % 4:
+            fail("global_scale", "a 4-byte aligned address", hex(gs_d.ptr))
         # Tile rows (>= 1: with no tokens, row 0 still writes the empty experts' scales).
         tile_bound = cfg.tile_bound(tokens)
         kernel.launch(xd.device_id, stream_h, xd.ptr, od.ptr, data_d.ptr, scales_d.ptr,

@@ -21,9 +21,10 @@ tokens // 2)`` bytes), the K-major operand Hopper's and Blackwell's tensor cores
 and NaN / Inf handling are gwgrad/formats.py's models, which the GPU kernels match bit for bit.
 
 Counts: every expert's token count must be a multiple of ``token_count_multiple`` of the
-consuming GEMM (32 for blocked scales, 16 for the FP32 recipes); a count that is not (or
-offsets that are invalid) is quantized as an empty expert, and the GEMM's own offsets check
-reports the offsets. Scale capacity: ``layout(...)`` gives the scale tensor a size that holds
+consuming GEMM (32 for blocked scales, 16 for the FP32 recipes); a count that is not (or a
+negative one, or one past the tokens) is quantized as an empty expert, and the GEMM's own
+offsets check reports the offsets. Decreasing offsets can make experts' ranges overlap: the
+outputs are then unspecified, but nothing is written outside them. Scale capacity: ``layout(...)`` gives the scale tensor a size that holds
 any valid counts (``round_up(ceil(T / sf_vec) + 3E, 4)`` blocked columns, ``ceil(T / 128) + E``
 1x128 rows);
 the kernels never write past a given scale tensor.
@@ -149,8 +150,10 @@ def _counts(offsets: np.ndarray, tokens: int, multiple: int) -> Tuple[np.ndarray
     """(begin, end) per expert, sanitized as the kernels do (kernels/common.sanitized_range):
     each offset clamped into [0, tokens], ``begin_e`` the clamped ``offsets[e-1]``, ``end_e``
     at least ``begin_e``, a count not a multiple of ``multiple`` made empty. Valid offsets
-    give the experts' ranges; invalid ones may give overlapping ranges (whose shared tokens'
-    codes are then unspecified; the GEMM's offsets check reports such offsets)."""
+    give the experts' ranges; invalid ones may give overlapping ranges, for which the GPU's
+    outputs are unspecified (experts share tokens, and their tiles can outnumber the grid's
+    ``ceil(T / 128) + E`` rows) but stay inside the output tensors; the GEMM's offsets check
+    reports such offsets."""
     clamped = np.clip(np.asarray(offsets, dtype=np.int64), 0, tokens)
     begin = np.concatenate([[0], clamped[:-1]])
     end = np.maximum(clamped, begin)

@@ -221,6 +221,8 @@ def test_quantize_feeds_wgrad_fp8(rng, recipe):
     xd, dyd = dequantized(x16, "e4m3"), dequantized(dy16, "e5m2")
     b = [0] + list(offsets)
     want = np.stack([xd[:, s:e] @ dyd[:, s:e].T for s, e in zip(b, b[1:])])
-    assert np.linalg.norm(w - want) / np.linalg.norm(want) < 1e-5
+    # Hopper's FP8 WGMMA adds each 128-token block in reduced precision before the FP32
+    # promotion: the FP8 GPU tests' tolerance (tests/test_fp8_sm90_gpu.py).
+    assert np.linalg.norm(w - want) / np.linalg.norm(want) < 2e-3
     assert not w[1].any()
     gwgrad.check_errors()

@@ -21,6 +21,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from gwgrad import quantizers as Q  # noqa: E402
+from quantize_cases import special_values  # noqa: E402
 import gwgrad.adapters.jax as gwj  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,22 +52,8 @@ def counts_for(fmt, units=(3, 0, 5, 1, 0, 9)):
 
 
 def bf16_input(rng, tokens, channels=CHANNELS, specials=True):
-    """Random BF16 (tokens, channels) over many magnitudes (per-channel 2**-30..2**30), plus
-    zeros, BF16 denormals, values near BF16's largest and (``specials``) NaN / +-Inf, an
-    all-zero and an all-denormal block."""
-    x = rng.standard_normal((tokens, channels)) * np.exp2(rng.uniform(-30, 30, (1, channels)))
-    if tokens and specials:
-        flat = x.reshape(-1)
-        pick = rng.choice(flat.size, size=min(flat.size, 20), replace=False)
-        flat[pick[:6]] = rng.standard_normal(6) * 1e-39
-        flat[pick[6:10]] = 3e38 * np.sign(rng.standard_normal(4))
-        flat[pick[10:14]] = 0.0
-        flat[pick[14:16]] = np.nan
-        flat[pick[16:18]] = np.inf
-        flat[pick[18:20]] = -np.inf
-        if tokens >= 64:  # an all-zero block and an all-denormal block
-            x[:32, 1] = 0.0
-            x[32:64, 2] = 1e-39
+    """tests/quantize_cases.special_values as a BF16 JAX array."""
+    x = special_values(rng, tokens, channels, specials=specials)
     return jnp.asarray(x.astype(np.float32), jnp.bfloat16)  # round to nearest even
 
 

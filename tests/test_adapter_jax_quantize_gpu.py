@@ -16,6 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import gwgrad  # noqa: E402
 from gwgrad import quantizers as Q  # noqa: E402
+from quantize_cases import special_values  # noqa: E402
 import gwgrad.adapters.jax as gwj  # noqa: E402
 
 try:
@@ -57,24 +58,8 @@ def counts_for(fmt, units=(0, 5, 0, 31, 1, 9, 2)):
 
 
 def bf16_bits(rng, tokens, channels=CHANNELS, specials=True, wide=True):
-    """BF16 bits (uint16) of random values, over many magnitudes (``wide``: per channel
-    2**-30..2**30), plus zeros, denormals, values near BF16's largest and (``specials``) NaN /
-    +-Inf."""
-    x = rng.standard_normal((tokens, channels))
-    if wide:
-        x = x * np.exp2(rng.uniform(-30, 30, (1, channels)))
-    if tokens and specials:
-        flat = x.reshape(-1)
-        pick = rng.choice(flat.size, size=min(flat.size, 24), replace=False)
-        flat[pick[:6]] = rng.standard_normal(6) * 1e-39
-        flat[pick[6:10]] = 3e38 * np.sign(rng.standard_normal(4))
-        flat[pick[10:14]] = 0.0
-        flat[pick[14:16]] = np.nan
-        flat[pick[16:18]] = np.inf
-        flat[pick[18:20]] = -np.inf
-        if tokens >= 64:  # an all-zero block and an all-denormal block
-            x[:32, 1] = 0.0
-            x[32:64, 2] = 1e-39
+    """BF16 bits (uint16) of tests/quantize_cases.special_values."""
+    x = special_values(rng, tokens, channels, specials=specials, wide=wide)
     # Rounded on the host (ml_dtypes: nearest even, denormals kept), never on a device.
     return x.astype(np.float32).astype(jnp.bfloat16).view(np.uint16)
 

@@ -16,6 +16,7 @@ import gwgrad  # noqa: E402
 import gwgrad.adapters.cupy as gwc  # noqa: E402
 import gwgrad.adapters.torch as gwt  # noqa: E402
 from gwgrad import quantizers as Q  # noqa: E402
+from quantize_cases import special_values  # noqa: E402
 from torch.library import opcheck  # noqa: E402
 
 CHANNELS = 40  # a multiple of 8, not of 16 or 128 (the blocked scales' rows are padded)
@@ -35,18 +36,8 @@ def counts_for(fmt, units=(3, 0, 5, 1, 0, 9)):
 
 
 def bf16_values(rng, tokens, channels=CHANNELS, specials=True):
-    """float32 values exact in BF16 over many magnitudes (per channel 2**-30..2**30), plus
-    zeros, BF16 denormals, values near BF16's largest and (``specials``) NaN / +-Inf."""
-    x = rng.standard_normal((tokens, channels)) * np.exp2(rng.uniform(-30, 30, (1, channels)))
-    if tokens and specials:
-        flat = x.reshape(-1)
-        pick = rng.choice(flat.size, size=min(flat.size, 20), replace=False)
-        flat[pick[:6]] = rng.standard_normal(6) * 1e-39
-        flat[pick[6:10]] = 3e38 * np.sign(rng.standard_normal(4))
-        flat[pick[10:14]] = 0.0
-        flat[pick[14:16]] = np.nan
-        flat[pick[16:18]] = np.inf
-        flat[pick[18:20]] = -np.inf
+    """float32 values exact in BF16: tests/quantize_cases.special_values, rounded."""
+    x = special_values(rng, tokens, channels, specials=specials)
     return x.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 import gwgrad  # noqa: E402
 from gwgrad import quantizers as Q  # noqa: E402
 from gwgrad import scales as S  # noqa: E402
+from quantize_cases import special_values  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,22 +30,8 @@ CASES = [(fmt, elem) for fmt, f in Q.FORMATS.items() for elem in f.elems]
 
 
 def bf16_input(rng, tokens, channels, specials=True):
-    """Random BF16 (tokens, channels): normal values times per-channel magnitudes from 2**-30
-    to 2**30, plus zeros, denormals, huge values and (``specials``) NaN / +-Inf."""
-    x = rng.standard_normal((tokens, channels)) * np.exp2(rng.uniform(-30, 30, (1, channels)))
-    if tokens and specials:
-        n = x.size
-        flat = x.reshape(-1)
-        pick = rng.choice(n, size=min(n, 24), replace=False)
-        flat[pick[:6]] = rng.standard_normal(6) * 1e-39  # BF16 denormals
-        flat[pick[6:10]] = 3e38 * np.sign(rng.standard_normal(4))  # near BF16's largest
-        flat[pick[10:14]] = 0.0
-        flat[pick[14:16]] = np.nan
-        flat[pick[16:18]] = np.inf
-        flat[pick[18:20]] = -np.inf
-        if tokens >= 64:  # one all-zero block and one all-denormal block
-            x[:32, 1] = 0.0
-            x[32:64, 2] = 1e-39
+    """(BF16 CUDA tensor, its float64 values) of tests/quantize_cases.special_values."""
+    x = special_values(rng, tokens, channels, specials=specials)
     xt = torch.from_numpy(x.astype(np.float32)).bfloat16()  # round to nearest even
     values = xt.double().numpy()
     xt = xt.cuda()

@@ -595,26 +595,18 @@ class GroupedQuantizer:
                 cute.arch.atomic_max(ws.iterator + expert, total)
 
     @cute.jit
-    def fp32_scale(self, amax: Int32) -> Int32:
-        """FP32 recipes: the scale ``amax / fmax`` (bits), at least the smallest normal; 1.0
-        for an all-zero block, NaN for a non-finite one."""
-        scale = f32_div(amax, Int32(FMAX_BITS[self.cfg.elem]))
-        scale = cutlass.max(scale, Int32(FP32_MIN_NORMAL))
+    def amax_scale(self, amax: Int32, divisor: int, floor: int) -> Int32:
+        """``amax / divisor`` (FP32 bits), at least ``floor``; 1.0 for an all-zero block, NaN
+        for a non-finite one. The FP32 recipes' scale (``fmax``, the smallest normal) and
+        NVFP4's global scale (2688, no floor)."""
+        scale = f32_div(amax, Int32(divisor))
+        if cutlass.const_expr(floor > 0):
+            scale = cutlass.max(scale, Int32(floor))
         if amax == 0:
             scale = Int32(FP32_ONE)
         if amax >= NONFINITE:
             scale = Int32(FP32_NAN)
         return scale
-
-    @cute.jit
-    def global_scale(self, amax: Int32) -> Int32:
-        """NVFP4: ``amax / 2688`` (bits); 1.0 for an all-zero expert, NaN for a non-finite."""
-        g = f32_div(amax, Int32(NVFP4_GLOBAL_DIVISOR))
-        if amax == 0:
-            g = Int32(FP32_ONE)
-        if amax >= NONFINITE:
-            g = Int32(FP32_NAN)
-        return g
 
     @cute.jit
     def quantize(self, q_ptr, sf_ptr, gs_ptr, ws, red, qs, vals, amax, bad, expert, j,
@@ -641,7 +633,7 @@ class GroupedQuantizer:
                     code[g] = Int32(255)
                     forced[g] = Int32(1)
         if cutlass.const_expr(cfg.nvfp4):
-            gbits = self.global_scale(ws[expert])
+            gbits = self.amax_scale(ws[expert], NVFP4_GLOBAL_DIVISOR, 0)
             if j == 0 and cute.arch.block_idx()[0] == 0 and cute.arch.thread_idx()[0] == 0:
                 gs = cute.make_tensor(cute.recast_ptr(gs_ptr, dtype=Int32),
                                       cute.make_layout(cfg.num_experts))
@@ -667,7 +659,7 @@ class GroupedQuantizer:
                 block_amax = Int32(0)
                 if live:
                     block_amax = ws[expert * C + ch]
-            scale = self.fp32_scale(block_amax)
+            scale = self.amax_scale(block_amax, FMAX_BITS[cfg.elem], FP32_MIN_NORMAL)
             mult[0] = f32_div(Int32(FP32_ONE), scale)
             forced[0] = Int32(block_amax >= NONFINITE)
             code[0] = scale

@@ -76,15 +76,13 @@ def entries(ptx):
 
 
 def kernels_of(ptx):
-    """(prep body, amax pass body or None, quantizing pass body): the amax pass is the tile
-    kernel with the atomic max and no code stores."""
+    """(prep body, amax pass body or None, quantizing pass body), by kernel name."""
     bodies = entries(ptx)
     prep = [b for name, b in bodies.items() if "prep_kernel" in name]
-    tiles = [b for name, b in bodies.items() if "tile_kernel" in name]
-    assert len(prep) == 1 and len(prep) + len(tiles) == len(bodies), sorted(bodies)
-    amax = [b for b in tiles if "st.global.v4" not in b]
-    quant = [b for b in tiles if "st.global.v4" in b]
-    assert len(quant) == 1 and len(amax) <= 1, sorted(bodies)
+    amax = [b for name, b in bodies.items() if "amax_kernel" in name]
+    quant = [b for name, b in bodies.items() if "tile_kernel" in name]
+    assert len(prep) == 1 and len(quant) == 1 and len(amax) <= 1, sorted(bodies)
+    assert len(prep) + len(amax) + len(quant) == len(bodies), sorted(bodies)
     return prep[0], (amax[0] if amax else None), quant[0]
 
 

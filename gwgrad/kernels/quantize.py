@@ -35,11 +35,11 @@ row segment. Shared rows are padded by one word (no bank conflicts either way). 
 per-channel amaxes are combined across the four quarters in shared memory.
 
 Two-pass recipes (per_expert_channel and NVFP4 need an amax over the whole expert): after the
-prep kernel (which zeroes the records), an amax kernel (the same tiles; one ``atom.max`` per tile and channel,
-or per tile for NVFP4, into the uint32 workspace: non-negative float bits order as integers, a
-non-finite value records +Inf's bits) and the quantizing kernel, which reads the amaxes. Empty
-experts get scale 1.0 (per_expert_channel) and global scale 1.0 (NVFP4) from the CTAs of tile
-row 0.
+prep kernel (which zeroes the records), an amax kernel on the same tiles reduces straight from
+its 16-byte loads (no shared staging): one ``atom.max`` per tile and channel, or per tile for
+NVFP4, into the uint32 workspace (non-negative float bits order as integers; a non-finite
+value records Inf's bits or more); then the quantizing kernel reads the amaxes. Empty experts
+get scale 1.0 (per_expert_channel) and global scale 1.0 (NVFP4) from the CTAs of tile row 0.
 
 Verified: compile and PTX checks for sm_90a and sm_100a (tests/test_compile_quantize.py);
 bit-exact against gwgrad.formats on an H200 (tests/test_quantize_gpu.py).
@@ -310,12 +310,10 @@ class GroupedQuantizer:
             stream=stream)
         grid = (cfg.channel_blocks, tile_bound, 1)
         if cutlass.const_expr(cfg.two_pass):
-            self.tile_kernel(x_ptr, offsets, q_ptr, sf_ptr, gs_ptr, ws, table, tokens_sum,
-                             sf_capacity, True).launch(
-                grid=grid, block=(THREADS, 1, 1), min_blocks_per_mp=self.min_blocks,
-                preferred_smem_carveout=100, stream=stream)
+            self.amax_kernel(x_ptr, ws, table).launch(
+                grid=grid, block=(THREADS, 1, 1), stream=stream)
         self.tile_kernel(x_ptr, offsets, q_ptr, sf_ptr, gs_ptr, ws, table, tokens_sum,
-                         sf_capacity, False).launch(
+                         sf_capacity).launch(
             grid=grid, block=(THREADS, 1, 1), min_blocks_per_mp=self.min_blocks,
             preferred_smem_carveout=100, stream=stream)
 
@@ -478,8 +476,7 @@ class GroupedQuantizer:
     @cute.kernel
     def tile_kernel(self, x_ptr: cute.Pointer, offsets: cute.Tensor, q_ptr: cute.Pointer,
                     sf_ptr: cute.Pointer, gs_ptr: cute.Pointer, ws: cute.Tensor,
-                    table: cute.Tensor, tokens_sum: Int32, sf_capacity: Int32,
-                    amax_pass: cutlass.Constexpr):
+                    table: cute.Tensor, tokens_sum: Int32, sf_capacity: Int32):
         cfg = self.cfg
         smem = SmemAllocator()
         red = smem.allocate_tensor(Int32, cute.make_layout((TILE_CHANNELS, QUARTERS)), 16)
@@ -487,22 +484,86 @@ class GroupedQuantizer:
         # 128 tokens of codes), rows padded by one word: conflict-free both ways.
         xs = smem.allocate_tensor(Int32, cute.make_layout(TILE_TOKENS * X_ROW_WORDS), 16)
         qs = smem.allocate_tensor(Int32, cute.make_layout(TILE_CHANNELS * Q_ROW_WORDS), 16)
-        if cutlass.const_expr(cfg.two_pass and not amax_pass):
+        if cutlass.const_expr(cfg.two_pass):
             if cute.arch.block_idx()[1] == 0:
                 self.empty_expert_scales(offsets, tokens_sum, sf_ptr, gs_ptr)
-        # This tile row's entry of the prep kernel's table (the same 32 bytes for every thread).
+        info = self.table_row(table)
+        if info[0] >= 0:
+            self.tile(x_ptr, q_ptr, sf_ptr, gs_ptr, ws, info, red, xs, qs, tokens_sum,
+                      sf_capacity)
+
+    def table_row(self, table: cute.Tensor):
+        """This CTA's tile row of the prep kernel's table (the same 32 bytes for every
+        thread): [expert (-1: none), tile, begin, end, S_e, C_e]."""
         b = cute.arch.block_idx()[1]
         row = cute.recast_ptr(table.iterator, dtype=Int32).toint() + Int64(b) * 32
         head = ld_global_v4(row)
         tail = ld_global_v4(row + 16)
-        info = [head[0], head[1], head[2], head[3], tail[0], tail[1]]
-        if info[0] >= 0:
-            self.tile(x_ptr, q_ptr, sf_ptr, gs_ptr, ws, info, red, xs, qs, tokens_sum,
-                      sf_capacity, amax_pass)
+        return [head[0], head[1], head[2], head[3], tail[0], tail[1]]
+
+    @cute.kernel
+    def amax_kernel(self, x_ptr: cute.Pointer, ws: cute.Tensor, table: cute.Tensor):
+        """The two-pass formats' first pass, on the same tiles: each thread takes the maximum
+        magnitude bits of its four 16-byte loads (8 channels x 4 tokens) straight from
+        registers; per_expert_channel reduces them per channel (shuffles across the lanes of
+        a chunk, shared memory across warps: one ``atom.max`` per channel), NVFP4 to one
+        value per tile (one ``atom.max`` per CTA). Non-finite values pass Inf's bits or more."""
+        cfg = self.cfg
+        C = cfg.channels
+        tid = cute.arch.thread_idx()[0]
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        cb = cute.arch.block_idx()[0]
+        smem = SmemAllocator()
+        red = smem.allocate_tensor(Int32, cute.make_layout((THREADS // 32, TILE_CHANNELS)), 16)
+        info = self.table_row(table)
+        expert, j, begin, end = info[0], info[1], info[2], info[3]
+        if expert >= 0:
+            tile_begin = begin + j * TILE_TOKENS
+            tile_valid = cutlass.min(end - tile_begin, TILE_TOKENS)
+            chunk = tid % X_CHUNKS
+            first = cb * TILE_CHANNELS + chunk * 8
+            m = [Int32(0)] * 8  # channels first .. first + 7
+            for r in cutlass.range_constexpr(X_LOADS):
+                token = tid // X_CHUNKS + (THREADS // X_CHUNKS) * r
+                w = [Int32(0), Int32(0), Int32(0), Int32(0)]
+                if token < tile_valid and first < C:
+                    w = ld_global_v4(x_ptr.toint() + (Int64(tile_begin + token) * C + first) * 2)
+                for k in cutlass.range_constexpr(4):
+                    m[2 * k] = cutlass.max(m[2 * k], (w[k] << 16) & 0x7FFFFFFF)
+                    m[2 * k + 1] = cutlass.max(m[2 * k + 1], w[k] & 0x7FFF0000)
+            if cutlass.const_expr(cfg.recipe == "per_expert_channel"):
+                # Lanes l, l ^ 8, l ^ 16, l ^ 24 hold the same channels (other tokens).
+                for k in cutlass.range_constexpr(8):
+                    for d in cutlass.range_constexpr(2):
+                        m[k] = cutlass.max(m[k], cute.arch.shuffle_sync_bfly(m[k], 8 << d))
+                if lane < X_CHUNKS:
+                    for k in cutlass.range_constexpr(8):
+                        red[warp, chunk * 8 + k] = m[k]
+                cute.arch.sync_threads()
+                if tid < TILE_CHANNELS:
+                    ch = cb * TILE_CHANNELS + tid
+                    total = Int32(0)
+                    for wi in cutlass.range_constexpr(THREADS // 32):
+                        total = cutlass.max(total, red[wi, tid])
+                    if ch < C:
+                        cute.arch.atomic_max(ws.iterator + (expert * C + ch), total)
+            else:
+                mine = Int32(0)
+                for k in cutlass.range_constexpr(8):
+                    mine = cutlass.max(mine, m[k])
+                warp_max = cute.arch.warp_redux_sync(mine, "max")
+                if lane == 0:
+                    red[warp, 0] = warp_max
+                cute.arch.sync_threads()
+                if tid == 0:
+                    total = Int32(0)
+                    for wi in cutlass.range_constexpr(THREADS // 32):
+                        total = cutlass.max(total, red[wi, 0])
+                    cute.arch.atomic_max(ws.iterator + expert, total)
 
     @cute.jit
-    def tile(self, x_ptr, q_ptr, sf_ptr, gs_ptr, ws, info, red, xs, qs, tokens_sum, sf_capacity,
-             amax_pass: cutlass.Constexpr):
+    def tile(self, x_ptr, q_ptr, sf_ptr, gs_ptr, ws, info, red, xs, qs, tokens_sum, sf_capacity):
         cfg = self.cfg
         C = cfg.channels
         tid = cute.arch.thread_idx()[0]
@@ -551,12 +612,9 @@ class GroupedQuantizer:
             amax[g] = m  # its codes are forced below when the block is not finite
             bad[g] = Int32(m >= NONFINITE)
 
-        if cutlass.const_expr(amax_pass):
-            self.record_amax(ws, red, amax, bad, expert, ch, c_local, quarter, live)
-        else:
-            self.quantize(q_ptr, sf_ptr, gs_ptr, ws, red, qs, vals, amax, bad, expert, j,
-                          tile_begin, tile_valid, n_valid, s_e, c_e, ch, c_local, quarter, live,
-                          tokens_sum, sf_capacity)
+        self.quantize(q_ptr, sf_ptr, gs_ptr, ws, red, qs, vals, amax, bad, expert, j,
+                      tile_begin, tile_valid, n_valid, s_e, c_e, ch, c_local, quarter, live,
+                      tokens_sum, sf_capacity)
 
     @cute.jit
     def combine_quarters(self, red, value: Int32, c_local, quarter) -> Int32:
@@ -566,33 +624,6 @@ class GroupedQuantizer:
         total = cutlass.max(cutlass.max(red[c_local, 0], red[c_local, 1]),
                             cutlass.max(red[c_local, 2], red[c_local, 3]))
         return total
-
-    @cute.jit
-    def record_amax(self, ws, red, amax, bad, expert, ch, c_local, quarter, live):
-        """The amax pass: max over the tile into the expert's (per channel, or NVFP4's whole
-        expert) uint32 record."""
-        cfg = self.cfg
-        mine = Int32(0)
-        for g in cutlass.range_constexpr(cute.size(amax)):
-            mine = cutlass.max(mine, amax[g])
-            if bad[g] != 0:
-                mine = Int32(NONFINITE)
-        if cutlass.const_expr(cfg.recipe == "per_expert_channel"):
-            total = self.combine_quarters(red, mine, c_local, quarter)
-            if quarter == 0 and live:
-                cute.arch.atomic_max(ws.iterator + (expert * cfg.channels + ch), total)
-        else:
-            warp_max = cute.arch.warp_redux_sync(mine, "max")
-            lane = cute.arch.lane_idx()
-            warp = cute.arch.warp_idx()
-            if lane == 0:
-                red[warp, 0] = warp_max
-            cute.arch.sync_threads()
-            if cute.arch.thread_idx()[0] == 0:
-                total = Int32(0)
-                for w in cutlass.range_constexpr(THREADS // 32):
-                    total = cutlass.max(total, red[w, 0])
-                cute.arch.atomic_max(ws.iterator + expert, total)
 
     @cute.jit
     def amax_scale(self, amax: Int32, divisor: int, floor: int) -> Int32:

@@ -1,7 +1,9 @@
-"""The SM100 BF16 kernel compiles for sm_100a without a GPU in every supported configuration
-(tile x cluster, and every mode on the default tile), and its PTX holds the Blackwell
+"""The SM100 BF16 kernel compiles for sm_100a and sm_103a without a GPU in every supported
+configuration (tile x cluster, and every mode on the default tile), and its PTX holds the Blackwell
 instructions it is built on: tcgen05 MMA and TMEM allocation, TMA loads, the TMA store or
-reduce-add, and cluster launch control for the dynamic schedule; and the device-side offsets
+reduce-add, cluster launch control for the dynamic schedule, multicast TMA loads exactly where
+the cluster shares B, descriptor prefetches and the TMEM-load wait before an accumulator
+stage is released; and the device-side offsets
 check: the prep kernel's sticky status record (system-scope CAS + fence) and the GEMM's verdict
 read before any cluster barrier, TMEM allocation or CLC query."""
 
@@ -22,11 +24,24 @@ TILINGS = ([((128, n), (c, 1)) for n in range(64, 257, 32) for c in (1, 2, 4)]
            + [((256, n), (c, 1)) for n in range(64, 257, 32) for c in (2, 4)])
 
 
+ARCHS = ["sm_100a", "sm_103a"]
+
+
+def multicast_loads(ptx: str) -> list:
+    """The TMA loads that multicast to the cluster (CLC's try_cancel and tcgen05.commit also
+    say multicast::cluster: only cp.async.bulk.tensor lines count)."""
+    return [line for line in ptx.splitlines()
+            if line.strip().startswith("cp.async.bulk.tensor") and "multicast::cluster" in line]
+
+
 def check_blackwell_ptx(ptx: str, accumulate: bool, two_cta: bool) -> None:
     check_offsets_check_ptx(ptx, before_verdict=("barrier.cluster", "mbarrier.init", "tcgen05.alloc", "clusterlaunchcontrol"))
     assert "tcgen05.mma" in ptx
     assert "tcgen05.alloc" in ptx and "tcgen05.dealloc" in ptx
     assert "tcgen05.ld" in ptx  # TMEM -> registers in the epilogue
+    # the TMEM loads are waited for before the accumulator stage goes back to the MMA warp
+    assert "tcgen05.wait::ld" in ptx
+    assert "prefetch.tensormap" in ptx  # per-expert descriptors warmed after the acquire
     assert "cp.async.bulk.tensor" in ptx and ".global.tile.mbarrier::complete_tx" in ptx  # TMA loads
     assert "clusterlaunchcontrol.try_cancel" in ptx  # dynamic persistent schedule
     assert "fence.proxy.tensormap::generic.acquire" in ptx  # per-expert descriptors
@@ -37,25 +52,25 @@ def check_blackwell_ptx(ptx: str, accumulate: bool, two_cta: bool) -> None:
         assert "cp.reduce.async.bulk" not in ptx
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("majors,order,mode,out,acc", MODES,
                          ids=lambda v: v if isinstance(v, str) else str(v))
-def test_every_mode_compiles(majors, order, mode, out, acc):
-    ptx = compile_ptx(spec("sm_100a", a_major=majors[0], b_major=majors[1], order=order,
+def test_every_mode_compiles(majors, order, mode, out, acc, arch):
+    ptx = compile_ptx(spec(arch, a_major=majors[0], b_major=majors[1], order=order,
                            mode=mode, out=out, acc=acc))
     check_blackwell_ptx(ptx, acc, two_cta=True)  # default: 256x256 on a (2, 1) cluster
+    assert not multicast_loads(ptx)  # the CTA pair splits A and B: nothing shared
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tile,cluster", TILINGS, ids=lambda v: "x".join(map(str, v)))
-def test_every_tiling_compiles(tile, cluster):
-    ptx = compile_ptx(spec("sm_100a", tile=tile, cluster=cluster, acc=tile[1] % 64 == 0))
+def test_every_tiling_compiles(tile, cluster, arch):
+    ptx = compile_ptx(spec(arch, tile=tile, cluster=cluster, acc=tile[1] % 64 == 0))
     check_blackwell_ptx(ptx, tile[1] % 64 == 0, two_cta=tile[0] == 256)
-    if cluster[0] > 1:
-        assert "multicast::cluster" in ptx
-
-
-def test_sm103_compiles():
-    ptx = compile_ptx(spec("sm_103a"))
-    check_blackwell_ptx(ptx, False, two_cta=True)
+    # B's K-blocks are multicast exactly when several MMAs of the cluster share them: more
+    # CTAs along M than one MMA takes (a 256-row MMA takes a CTA pair).
+    shares_b = cluster[0] // (2 if tile[0] == 256 else 1) > 1
+    assert bool(multicast_loads(ptx)) == shares_b, (tile, cluster)
 
 
 @pytest.mark.parametrize("tile,cluster,match", [

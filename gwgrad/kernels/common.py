@@ -325,6 +325,15 @@ def prefetch_tma_descriptor(raw_ptr: cute.Pointer, *, loc=None, ip=None) -> None
     cute.arch.prefetch(generic, tensormap=True, loc=loc, ip=ip)
 
 
+@cute.jit
+def acquire_descriptor(ws, expert: Int32, slot: int) -> None:
+    """An expert's workspace descriptor before its first use by this warp: the prep kernel
+    rewrote it in place since any earlier launch that used this workspace, so drop stale
+    cached copies (acquire fence), then warm the descriptor cache (prefetch)."""
+    cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, slot))
+    prefetch_tma_descriptor(ws.desc_ptr(expert, slot))
+
+
 # ----------------------------------------------------------------------------------------
 # Expert ranges, schedule order, unit decoding
 # ----------------------------------------------------------------------------------------

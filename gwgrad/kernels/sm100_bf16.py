@@ -38,22 +38,35 @@ cluster leave the same way, no CTA waits on one that left, no cluster is cancell
 the grid's clusters launches and exits), and no output byte is written.
 
 How each SM100-only part was checked without Blackwell hardware (tests/test_compile_sm100.py
-compiles every mode and every tile x cluster for sm_100a / sm_103a and asserts on the PTX):
+compiles every mode on the default tile and every tile x cluster, each for sm_100a and sm_103a,
+and asserts on the PTX):
   tcgen05 MMA      tcgen05.mma present; cta_group::2 exactly when the tile has 256 rows
   TMEM             tcgen05.alloc / dealloc present (columns from the DSL's TMEM helper for
-                   2 accumulator stages); the epilogue's tcgen05.ld present
-  CLC schedule     clusterlaunchcontrol.try_cancel present; consumer counts as in the example
-  TMA multicast    multicast::cluster loads whenever the cluster has more than one CTA
+                   2 accumulator stages); the epilogue's tcgen05.ld present, and its
+                   tcgen05.wait::ld before each accumulator stage is released
+  CLC schedule     clusterlaunchcontrol.try_cancel present
+  TMA multicast    multicast TMA loads (cp.async.bulk.tensor ... multicast::cluster) exactly
+                   when several MMAs of the cluster share B: cluster_m / (CTAs per MMA) > 1
+                   (the default 256-row tile on a (2, 1) cluster has none: the pair splits A
+                   and B)
+  descriptors      the acquire fence and prefetch.tensormap of each per-expert descriptor
   stores           cp.reduce.async.bulk.tensor .add exactly when accumulating
   offsets check    prep kernel: system-scope atom.cas on the status record and system-scope
                    fences; GEMM: its first global load is the verdict and a branch on it comes
                    before any mbarrier init, cluster barrier, tcgen05.alloc or CLC query
-The pipelines, warp roles and TMEM handshakes follow the two examples named above line for
-line. Shared with the SM90 kernel and so exercised on the H200: the prep kernel (ranges,
-order, per-expert descriptors), the unit order and raster, the epilogue decisions and the
+The pipelines, warp roles and TMEM handshakes follow the two examples named above; where they
+differ: empty units skip the accumulator handshake and each epilogue thread releases the
+stage (as torch_grouped_mm does), and descriptors are acquired and prefetched per expert (the
+examples' prefetch_descriptor is for host descriptors). Pipeline consumer counts are not
+asserted on the PTX. Shared with the SM90 kernel and so exercised on the H200: the prep kernel
+(ranges, order, per-expert descriptors, the offsets check and its status record), the unit
+order and raster, the epilogue decisions, the descriptor acquire-and-prefetch helper and the
 argument plumbing. Unverified until a Blackwell GPU runs tests/test_sm100_kernel_gpu.py:
-numerical results, the CLC and 2-CTA runtime behaviour, and performance. The offsets check
-and the skip on invalid offsets have not run on any GPU yet (SM90 included).
+numerical results, the CLC and 2-CTA runtime behaviour, the skip on invalid offsets, and
+performance. Known from review (../shared/research/sm100-review.md, finding 1): every role warp
+consumes the CLC response itself, so the TMA warp cannot start a unit before the epilogue has
+finished the one two units back; a scheduler warp forwarding units through a local pipeline
+(as cuDNN frontend's wgrad kernel does) would hide that on short units.
 """
 
 # No `from __future__ import annotations`: the shared-storage struct built in launch() needs
@@ -84,6 +97,7 @@ from .common import (
     GroupedWgradKernel,
     ProblemConfig,
     Workspace,
+    acquire_descriptor,
     decode_unit,
     dense_output_view,
     expert_output_view,
@@ -516,9 +530,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         while valid:
             expert, unit_m, unit_n, begin, k_tiles = decode_unit(cfg, unit, ws)
             if expert != last_expert:
-                # Drop stale cached copies: the prep kernel rewrote them in place.
-                cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_A))
-                cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_B))
+                acquire_descriptor(ws, expert, DESC_A)
+                acquire_descriptor(ws, expert, DESC_B)
             last_expert = expert
             desc_a = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_A))
             desc_b = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_B))
@@ -675,7 +688,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                 else:
                     bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, 0)]
                     if warp_idx == WarpRole.EPILOGUE:
-                        cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_C))
+                        acquire_descriptor(ws, expert, DESC_C)
                     desc_c = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_C))
                     self.store_tile(
                         tTR_tAcc_base, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc,
@@ -684,6 +697,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                     )
                 n_done += 1
             if k_tiles > 0:
+                # This thread's TMEM loads are complete before the MMA may overwrite the stage.
+                cute.arch.fence_view_async_tmem_load()
                 acc_pipeline.consumer_release(acc_state)
                 acc_state.advance()
 

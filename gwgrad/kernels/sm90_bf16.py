@@ -34,11 +34,12 @@ SM100 (GroupedWgradKernel.store_subtile in kernels/common.py); dense outputs use
 intermediate, E) descriptor, discrete outputs the expert's descriptor from the workspace.
 An empty expert stores zeros, or nothing when accumulating.
 
-Verified: the GEMM's numbers and speed on an H200 (tests/test_sm90_kernel_gpu.py, the
-benchmarks), for the kernel as it was before the offsets check. The offsets check (verdict, status record) and
-the skip on invalid offsets are compile-checked only (tests/test_compile_sm90.py asserts the
-system-scope CAS and fence in the prep kernel and the verdict load and branch at the start of
-this kernel); they have not run on a GPU yet.
+Verified on an H200: the GEMM's numbers in every mode (tests/test_sm90_kernel_gpu.py,
+tests/test_api_gpu.py, the adapters' GPU tests) and its speed (the benchmarks,
+docs/results/); the offsets check and the skip on invalid offsets (tests/test_status_gpu.py:
+default, graph-captured and validate_offsets=False launches write nothing and raise naming
+offsets_tensor). tests/test_compile_sm90.py also asserts the system-scope CAS and fence in the
+prep kernel and the verdict load and branch at the start of this kernel.
 """
 
 # No `from __future__ import annotations`: the shared-storage struct built in launch() needs
@@ -64,12 +65,12 @@ from .common import (
     DESC_C,
     ProblemConfig,
     Workspace,
+    acquire_descriptor,
     decode_unit,
     dense_output_view,
     expert_output_view,
     gemm_views,
     output_ptr_ok,
-    prefetch_tma_descriptor,
     tma_desc_ptr_for_copy,
     token_origin,
     unit_tile_coords,
@@ -484,8 +485,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         """The prep kernel rewrote the expert's descriptors in place since any earlier launch
         that used this workspace: drop stale cached copies, then warm the descriptor cache."""
         for slot in cutlass.range_constexpr(2):
-            cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, slot))
-            prefetch_tma_descriptor(ws.desc_ptr(expert, slot))
+            acquire_descriptor(ws, expert, slot)
 
     @cute.jit
     def publish(self, sched_pipeline, sched_state, sched_slots, unit, expert, k_tiles, lane):

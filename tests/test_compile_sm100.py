@@ -1,8 +1,8 @@
 """The SM100 BF16 kernel compiles for sm_100a and sm_103a without a GPU in every supported
 configuration (tile x cluster, and every mode on the default tile), and its PTX holds the Blackwell
 instructions it is built on: tcgen05 MMA and TMEM allocation, TMA loads, the TMA store or
-reduce-add, cluster launch control for the dynamic schedule, multicast TMA loads exactly where
-the cluster shares B, descriptor prefetches and the TMEM-load wait before an accumulator
+reduce-add, cluster launch control for the dynamic schedule with only the scheduler warps
+reading its responses (mbarrier counts), multicast TMA loads exactly where the cluster shares B, descriptor prefetches and the TMEM-load wait before an accumulator
 stage is released; and the device-side offsets
 check: the prep kernel's sticky status record (system-scope CAS + fence) and the GEMM's verdict
 read before any cluster barrier, TMEM allocation or CLC query."""
@@ -10,6 +10,7 @@ read before any cluster barrier, TMEM allocation or CLC query."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
@@ -32,6 +33,27 @@ def multicast_loads(ptx: str) -> list:
     say multicast::cluster: only cp.async.bulk.tensor lines count)."""
     return [line for line in ptx.splitlines()
             if line.strip().startswith("cp.async.bulk.tensor") and "multicast::cluster" in line]
+
+
+def mbarrier_init_counts(ptx: str) -> list:
+    """The arrival counts of the GEMM kernel's mbarrier.init instructions (registers resolved
+    to the constants they are moved from)."""
+    body = [c for c in ptx.split(".entry ")[1:] if "tcgen05.mma" in c][0]
+    consts = dict(re.findall(r"mov\.b32\s+(%r\d+),\s*(\d+);", body))
+    counts = []
+    for arg in re.findall(r"mbarrier\.init\.shared(?:::cta)?\.b64\s+\[[^\]]+\],\s*([^;]+);", body):
+        arg = arg.strip()
+        counts.append(int(consts.get(arg, arg)))
+    return counts
+
+
+def check_schedule_counts(ptx: str, cluster_size: int) -> None:
+    """Only the scheduler warps (one per CTA) consume the CLC response; the TMA, MMA and four
+    epilogue warps (6 x 32 threads) consume the scheduler's unit ring, which 32 threads fill."""
+    counts = mbarrier_init_counts(ptx)
+    assert 32 * cluster_size in counts, counts
+    assert 32 * 6 in counts, counts
+    assert 32 * (1 + cluster_size * 6) not in counts, counts  # the old all-warps CLC count
 
 
 def check_blackwell_ptx(ptx: str, accumulate: bool, two_cta: bool) -> None:
@@ -60,6 +82,7 @@ def test_every_mode_compiles(majors, order, mode, out, acc, arch):
                            mode=mode, out=out, acc=acc))
     check_blackwell_ptx(ptx, acc, two_cta=True)  # default: 256x256 on a (2, 1) cluster
     assert not multicast_loads(ptx)  # the CTA pair splits A and B: nothing shared
+    check_schedule_counts(ptx, 2)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -71,6 +94,7 @@ def test_every_tiling_compiles(tile, cluster, arch):
     # CTAs along M than one MMA takes (a 256-row MMA takes a CTA pair).
     shares_b = cluster[0] // (2 if tile[0] == 256 else 1) > 1
     assert bool(multicast_loads(ptx)) == shares_b, (tile, cluster)
+    check_schedule_counts(ptx, cluster[0] * cluster[1])
 
 
 @pytest.mark.parametrize("tile,cluster,match", [

@@ -8,12 +8,15 @@ not-yet-launched cluster and takes its unit, so clusters that drew short units t
 them and the hot experts' long units, handed out first, do not leave SMs idle at the end.
 
 Warp roles (224 threads per CTA), as in the CuTe DSL Blackwell examples
-(dense_gemm_persistent_dynamic.py for CLC, moe/torch_grouped_mm.py for the 2Dx2D wgrad). The
-kernel body (gemm_cta) sets up shared memory, the pipelines, the TMEM allocator and the
-barriers, then calls one method per role; each returns the (unit, valid, clc_state) it ended
-with, since the DSL threads only values rebound in the body itself:
-  warp 6    scheduler(): on the first CTA of the cluster, issues the CLC queries; every other
-            warp reads each response from its own shared memory (multicast to the cluster).
+(dense_gemm_persistent_dynamic.py for CLC, moe/torch_grouped_mm.py for the 2Dx2D wgrad), with
+the unit hand-off of cuDNN frontend's wgrad kernel. The kernel body (gemm_cta) sets up shared
+memory, the pipelines, the TMEM allocator and the barriers, then calls one method per role:
+  warp 6    scheduler(): on the first CTA of the cluster, issues the CLC queries (multicast
+            to the cluster); in every CTA, the only reader of the responses: it decodes each
+            unit once (expert, tile, first token, k tiles) and publishes it to this CTA's
+            other roles through a 2-stage ring in shared memory (publish_words / take_words,
+            the SM90 kernel's hand-off), so the next query goes out while the epilogue is
+            still on the unit before last, and the TMA warp never waits for the epilogue.
   warp 5    tma_loads(): loads the unit's A (tile_m x 64) and B (tile_n x 64) K-blocks
             through the expert's descriptors (TMA zero-fills past the expert's last token),
             multicast within the cluster where the tile is shared.
@@ -29,7 +32,8 @@ with, since the DSL threads only values rebound in the body itself:
             descriptor. An empty expert stores zeros, or nothing when accumulating.
 
 Pipelines: ab (TMA -> UMMA, transaction mbarriers), acc (UMMA -> epilogue, TMEM stages), clc
-(CLC response -> every warp), and the epilogue's TMA store groups.
+(CLC response -> the scheduler warp of every CTA), unit (scheduler -> TMA, MMA and epilogue
+warps of the CTA), and the epilogue's TMA store groups.
 
 Invalid offsets: every thread of every CTA first reads the prep kernel's verdict (workspace
 byte 4; the prep kernel finished first, by stream order). When it is 0 every CTA exits at
@@ -44,7 +48,9 @@ and asserts on the PTX):
   TMEM             tcgen05.alloc / dealloc present (columns from the DSL's TMEM helper for
                    2 accumulator stages); the epilogue's tcgen05.ld present, and its
                    tcgen05.wait::ld before each accumulator stage is released
-  CLC schedule     clusterlaunchcontrol.try_cancel present
+  CLC schedule     clusterlaunchcontrol.try_cancel present; mbarrier counts: the CLC slot
+                   is released by 32 x (CTAs in the cluster) threads (the scheduler warps),
+                   the unit ring by 6 x 32 (TMA, MMA, epilogue warps)
   TMA multicast    multicast TMA loads (cp.async.bulk.tensor ... multicast::cluster) exactly
                    when several MMAs of the cluster share B: cluster_m / (CTAs per MMA) > 1
                    (the default 256-row tile on a (2, 1) cluster has none: the pair splits A
@@ -57,16 +63,14 @@ and asserts on the PTX):
 The pipelines, warp roles and TMEM handshakes follow the two examples named above; where they
 differ: empty units skip the accumulator handshake and each epilogue thread releases the
 stage (as torch_grouped_mm does), and descriptors are acquired and prefetched per expert (the
-examples' prefetch_descriptor is for host descriptors). Pipeline consumer counts are not
-asserted on the PTX. Shared with the SM90 kernel and so exercised on the H200: the prep kernel
-(ranges, order, per-expert descriptors, the offsets check and its status record), the unit
-order and raster, the epilogue decisions, the descriptor acquire-and-prefetch helper and the
+examples' prefetch_descriptor is for host descriptors), and only the scheduler warps read the
+CLC responses (the examples have every warp read them). Shared with the SM90 kernel and so
+exercised on the H200: the prep kernel (ranges, order, per-expert descriptors, the offsets
+check and its status record), the unit order and raster, the unit hand-off (publish_words /
+take_words), the epilogue decisions, the descriptor acquire-and-prefetch helper and the
 argument plumbing. Unverified until a Blackwell GPU runs tests/test_sm100_kernel_gpu.py:
-numerical results, the CLC and 2-CTA runtime behaviour, the skip on invalid offsets, and
-performance. Known from review (../shared/research/sm100-review.md, finding 1): every role warp
-consumes the CLC response itself, so the TMA warp cannot start a unit before the epilogue has
-finished the one two units back; a scheduler warp forwarding units through a local pipeline
-(as cuDNN frontend's wgrad kernel does) would hide that on short units.
+numerical results, the CLC and 2-CTA runtime behaviour (the scheduler's hand-off included:
+it has never run), the skip on invalid offsets, and performance.
 """
 
 # No `from __future__ import annotations`: the shared-storage struct built in launch() needs
@@ -110,6 +114,8 @@ from .tiling import sm100_cta_tile_m, sm100_problem
 
 SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_100")  # 227 KiB per CTA
 CLC_RESPONSE_BYTES = 16
+UNIT_STAGES = 2  # the scheduler warp's unit ring: it runs up to two units ahead of the epilogue
+UNIT_WORDS = 5  # (expert (-1: no more work), unit m, unit n, first token, k tiles)
 
 NUM_EPI_WARPS = 4
 
@@ -121,7 +127,8 @@ class WarpRole(enum.IntEnum):
     #               issues the TMA stores
     MMA = 4  # tcgen05.mma (the leader CTA's of a pair issues it)
     TMA = 5  # TMA loads of A and B
-    SCHEDULER = 6  # CLC queries (first CTA of the cluster)
+    SCHEDULER = 6  # CLC queries (first CTA of the cluster); in every CTA, the only reader of
+    #                the responses, decoding each unit once for the other roles
 
 
 NUM_WARPS = NUM_EPI_WARPS + 3
@@ -374,6 +381,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             acc_full_mbar_ptr: cute.struct.MemRange[Int64, self.acc_stage * 2]
             clc_mbar_ptr: cute.struct.MemRange[Int64, 2]
             clc_response: cute.struct.Align[cute.struct.MemRange[Int32, 4], CLC_RESPONSE_BYTES]
+            unit_mbar_ptr: cute.struct.MemRange[Int64, UNIT_STAGES * 2]
+            unit_slots: cute.struct.MemRange[Int32, UNIT_STAGES * UNIT_WORDS]
             tmem_dealloc_mbar: Int64
             tmem_holding_buf: Int32
 
@@ -406,13 +415,25 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             barrier_storage=storage.clc_mbar_ptr.data_ptr(),
             num_stages=1,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # The scheduler warp of the first CTA, plus TMA, MMA and epilogue warps of every CTA.
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 32 * (1 + cluster_size * (2 + NUM_EPI_WARPS))
-            ),
+            # The scheduler warp of every CTA of the cluster (the other roles take units from
+            # their CTA's scheduler through the unit ring).
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * cluster_size),
             tx_count=CLC_RESPONSE_BYTES,
             cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True,
+        )
+        # Scheduler warp -> TMA, MMA and epilogue warps of this CTA: each unit decoded once.
+        unit_pipeline = pipeline.PipelineAsync.create(
+            barrier_storage=storage.unit_mbar_ptr.data_ptr(),
+            num_stages=UNIT_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 32 * (2 + NUM_EPI_WARPS)
+            ),
+            defer_sync=True,
+        )
+        unit_slots = cute.make_tensor(
+            storage.unit_slots.data_ptr(), cute.make_layout((UNIT_WORDS, UNIT_STAGES))
         )
         tmem = TmemAllocator(
             storage.tmem_holding_buf.ptr,
@@ -454,28 +475,26 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         clc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
 
-        # Every warp starts with its cluster's own unit. Each role returns the (unit, valid,
-        # clc_state) it ended with: the DSL threads only values rebound in the body itself.
+        # The scheduler warp starts from its cluster's own unit and publishes every unit it
+        # reads; the other roles take them from the unit ring.
         unit = bidx // cluster_size
-        valid = cutlass.Boolean(True)
 
         if warp_idx == WarpRole.SCHEDULER:
-            unit, valid, clc_state = self.scheduler(
-                clc_pipeline, clc_state, clc_response_ptr, cluster_size,
-                is_first_cta_in_cluster, unit, valid,
+            self.scheduler(
+                clc_pipeline, clc_state, clc_response_ptr, unit_pipeline, unit_slots, ws,
+                cluster_size, is_first_cta_in_cluster, unit,
             )
         if warp_idx == WarpRole.TMA:
-            unit, valid, clc_state = self.tma_loads(
+            self.tma_loads(
                 tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB, thr_mma, ab_producer,
-                clc_pipeline, clc_state, clc_response_ptr, ws, a_cta_layout, b_cta_layout,
+                unit_pipeline, unit_slots, ws, a_cta_layout, b_cta_layout,
                 block_in_cluster_coord_vmnk, a_mcast_mask, b_mcast_mask, cta_m_in_cluster,
-                atom_thr, cluster_size, unit, valid,
+                atom_thr,
             )
         if warp_idx == WarpRole.MMA:
-            unit, valid, clc_state = self.mma(
+            self.mma(
                 tiled_mma, tCrA, tCrB, tCtAcc_fake, tmem, ab_consumer, acc_pipeline,
-                clc_pipeline, clc_state, clc_response_ptr, ws, is_leader_cta, cluster_size,
-                unit, valid,
+                unit_pipeline, unit_slots, is_leader_cta,
             )
 
         sC = smem.allocate_tensor(
@@ -486,8 +505,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         if warp_idx < WarpRole.EPILOGUE + NUM_EPI_WARPS:
             self.epilogue(
                 tma_atom_c, mC_coord, sC, thr_mma, tmem, tCtAcc_fake, acc_pipeline,
-                clc_pipeline, clc_state, clc_response_ptr, ws, wgrad_ptrs, tidx, warp_idx,
-                epi_tile, use_2cta_instrs, cta_m_in_cluster, atom_thr, cluster_size, unit, valid,
+                unit_pipeline, unit_slots, ws, wgrad_ptrs, tidx, warp_idx,
+                epi_tile, use_2cta_instrs, cta_m_in_cluster, atom_thr,
             )
 
     # ------------------------------------------------------------------------------------
@@ -495,11 +514,21 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
     # ------------------------------------------------------------------------------------
     @cute.jit
     def scheduler(
-        self, clc_pipeline, clc_state, clc_response_ptr, cluster_size: cutlass.Constexpr,
-        is_first_cta_in_cluster, unit, valid,
+        self, clc_pipeline, clc_state, clc_response_ptr, unit_pipeline, unit_slots, ws,
+        cluster_size: cutlass.Constexpr, is_first_cta_in_cluster, unit,
     ):
-        """Scheduler warp: the first CTA of the cluster issues the CLC queries; it also reads
-        each response, like every other warp."""
+        """Scheduler warp. In the first CTA of the cluster it issues the CLC queries; in every
+        CTA it is the only warp that reads the responses (the CLC slot is free again as soon
+        as every CTA's scheduler has read it), decodes each unit once and publishes it to the
+        TMA, MMA and epilogue warps through the unit ring, ending with a unit of expert -1.
+        With two ring stages the next query goes out while the epilogue still works on the
+        unit before last (cuDNN frontend's wgrad kernel does the same)."""
+        lane = cute.arch.lane_idx()
+        unit_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, UNIT_STAGES)
+        self.publish_words(unit_pipeline, unit_state, unit_slots,
+                           self.unit_words(unit, cutlass.Boolean(True), ws), lane)
+        unit_state.advance()
+        valid = cutlass.Boolean(True)
         if is_first_cta_in_cluster:
             clc_prod = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.ProducerConsumer, 1
@@ -514,21 +543,54 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                 unit, valid, clc_state = self.next_unit(
                     clc_pipeline, clc_state, clc_response_ptr, cluster_size
                 )
+                self.publish_words(unit_pipeline, unit_state, unit_slots,
+                                   self.unit_words(unit, valid, ws), lane)
+                unit_state.advance()
             clc_pipeline.producer_tail(clc_prod)
-        return unit, valid, clc_state
+        else:
+            while valid:
+                unit, valid, clc_state = self.next_unit(
+                    clc_pipeline, clc_state, clc_response_ptr, cluster_size
+                )
+                self.publish_words(unit_pipeline, unit_state, unit_slots,
+                                   self.unit_words(unit, valid, ws), lane)
+                unit_state.advance()
+
+    @cute.jit
+    def unit_words(self, unit, valid, ws):
+        """The unit ring's words of a unit: (expert, unit m, unit n, first token, k tiles);
+        expert -1 once there is no more work."""
+        cfg = self.cfg
+        # A failed cancel's response holds no unit: decode an in-range one, then drop it.
+        expert, unit_m, unit_n, begin, k_tiles = decode_unit(
+            cfg, cutlass.max(cutlass.min(unit, cfg.num_units - 1), 0), ws
+        )
+        if not valid:
+            expert = Int32(-1)
+        return (expert, unit_m, unit_n, begin, k_tiles)
+
+    @cute.jit
+    def take_unit(self, unit_pipeline, unit_state, unit_slots):
+        """The next unit from the scheduler warp: (expert, unit m, unit n, first token,
+        k tiles, state); expert < 0 means no more work."""
+        words, unit_state = self.take_words(unit_pipeline, unit_state, unit_slots, UNIT_WORDS)
+        return words[0], words[1], words[2], words[3], words[4], unit_state
 
     @cute.jit
     def tma_loads(
         self, tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB, thr_mma, ab_producer,
-        clc_pipeline, clc_state, clc_response_ptr, ws, a_cta_layout, b_cta_layout,
+        unit_pipeline, unit_slots, ws, a_cta_layout, b_cta_layout,
         block_in_cluster_coord_vmnk, a_mcast_mask, b_mcast_mask, cta_m_in_cluster,
-        atom_thr: cutlass.Constexpr, cluster_size: cutlass.Constexpr, unit, valid,
+        atom_thr: cutlass.Constexpr,
     ):
         """TMA warp: each unit's A and B K-blocks through the expert's descriptors."""
         cfg = self.cfg
         last_expert = Int32(-1)
-        while valid:
-            expert, unit_m, unit_n, begin, k_tiles = decode_unit(cfg, unit, ws)
+        unit_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, UNIT_STAGES)
+        expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
+            unit_pipeline, unit_state, unit_slots
+        )
+        while expert >= 0:
             if expert != last_expert:
                 acquire_descriptor(ws, expert, DESC_A)
                 acquire_descriptor(ws, expert, DESC_B)
@@ -573,17 +635,15 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                 if handle.count + 1 < k_tiles:
                     peek = ab_producer.try_acquire()
 
-            unit, valid, clc_state = self.next_unit(
-                clc_pipeline, clc_state, clc_response_ptr, cluster_size
+            expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
+                unit_pipeline, unit_state, unit_slots
             )
         ab_producer.tail()
-        return unit, valid, clc_state
 
     @cute.jit
     def mma(
         self, tiled_mma, tCrA, tCrB, tCtAcc_fake, tmem, ab_consumer, acc_pipeline,
-        clc_pipeline, clc_state, clc_response_ptr, ws, is_leader_cta,
-        cluster_size: cutlass.Constexpr, unit, valid,
+        unit_pipeline, unit_slots, is_leader_cta,
     ):
         """MMA warp: tcgen05.mma of each unit into the next TMEM accumulator stage (the
         leader CTA of a pair issues it)."""
@@ -594,8 +654,11 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         acc_state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Producer, self.acc_stage
         )
-        while valid:
-            expert, unit_m, unit_n, begin, k_tiles = decode_unit(cfg, unit, ws)
+        unit_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, UNIT_STAGES)
+        expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
+            unit_pipeline, unit_state, unit_slots
+        )
+        while expert >= 0:
             if is_leader_cta:
                 tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
                 ab_consumer.reset()
@@ -618,18 +681,16 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             if k_tiles > 0:
                 acc_state.advance()
 
-            unit, valid, clc_state = self.next_unit(
-                clc_pipeline, clc_state, clc_response_ptr, cluster_size
+            expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
+                unit_pipeline, unit_state, unit_slots
             )
         acc_pipeline.producer_tail(acc_state)
-        return unit, valid, clc_state
 
     @cute.jit
     def epilogue(
         self, tma_atom_c, mC_coord, sC, thr_mma, tmem, tCtAcc_fake, acc_pipeline,
-        clc_pipeline, clc_state, clc_response_ptr, ws, wgrad_ptrs, tidx, warp_idx, epi_tile,
+        unit_pipeline, unit_slots, ws, wgrad_ptrs, tidx, warp_idx, epi_tile,
         use_2cta_instrs: cutlass.Constexpr, cta_m_in_cluster, atom_thr: cutlass.Constexpr,
-        cluster_size: cutlass.Constexpr, unit, valid,
     ):
         """Epilogue warps: the first allocates TMEM; each unit's accumulator goes TMEM ->
         registers -> output dtype -> shared memory -> TMA store (store_tile); TMEM is freed
@@ -667,8 +728,11 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             cute.group_modes(sC, 0, 2), cute.group_modes(tCgC_epi, 0, 2),
         )
         n_done = Int32(0)
-        while valid:
-            expert, unit_m, unit_n, begin, k_tiles = decode_unit(cfg, unit, ws)
+        unit_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, UNIT_STAGES)
+        expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
+            unit_pipeline, unit_state, unit_slots
+        )
+        while expert >= 0:
             mma_m = (unit_m * cfg.cluster_m + cta_m_in_cluster) // atom_thr
             store = True
             if cutlass.const_expr(cfg.accumulate):
@@ -702,8 +766,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                 acc_pipeline.consumer_release(acc_state)
                 acc_state.advance()
 
-            unit, valid, clc_state = self.next_unit(
-                clc_pipeline, clc_state, clc_response_ptr, cluster_size
+            expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
+                unit_pipeline, unit_state, unit_slots
             )
         c_pipeline.producer_tail()
         tmem.relinquish_alloc_permit()
@@ -713,8 +777,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
     @cute.jit
     def next_unit(self, clc_pipeline, clc_state, clc_response_ptr,
                   cluster_size: cutlass.Constexpr):
-        """Every role's step to its next unit: wait for the scheduler's CLC response, read
-        it, hand the slot back. The advanced state is returned (the DSL threads only values
+        """The scheduler warp's step to its next unit: wait for the CLC response, read it,
+        hand the slot back. The advanced state is returned (the DSL threads only values
         rebound in the caller's loop)."""
         clc_pipeline.consumer_wait(clc_state)
         unit, valid = self.read_clc_response(clc_response_ptr, cluster_size)

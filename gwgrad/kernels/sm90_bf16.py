@@ -489,24 +489,14 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
 
     @cute.jit
     def publish(self, sched_pipeline, sched_state, sched_slots, unit, expert, k_tiles, lane):
-        sched_pipeline.producer_acquire(sched_state)
-        if lane == 0:
-            sched_slots[(0, sched_state.index)] = unit
-            sched_slots[(1, sched_state.index)] = expert
-            sched_slots[(2, sched_state.index)] = k_tiles
-        sched_pipeline.producer_commit(sched_state)
+        self.publish_words(sched_pipeline, sched_state, sched_slots, (unit, expert, k_tiles),
+                           lane)
 
     @cute.jit
     def take(self, sched_pipeline, sched_state, sched_slots):
         """Next published unit: (unit, expert, k_tiles); expert < 0 means no more work."""
-        sched_pipeline.consumer_wait(sched_state)
-        unit = sched_slots[(0, sched_state.index)]
-        expert = sched_slots[(1, sched_state.index)]
-        k_tiles = sched_slots[(2, sched_state.index)]
-        sched_pipeline.consumer_release(sched_state)
-        sched_state.advance()
-        # The state is returned so that callers inside a dynamic `if` rebind it there.
-        return unit, expert, k_tiles, sched_state
+        words, sched_state = self.take_words(sched_pipeline, sched_state, sched_slots, 3)
+        return words[0], words[1], words[2], sched_state
 
     @cute.jit
     def skip(self, ab_read, ab_release, k_tiles):

@@ -20,7 +20,7 @@ from quantize_cases import special_values  # noqa: E402
 import gwgrad.adapters.jax as gwj  # noqa: E402
 
 try:
-    import pytest_timeout  # noqa: F401
+    import pytest_timeout  # noqa: F401  (the timeout marker needs the plugin)
 
     _timeout = [pytest.mark.timeout(300)]
 except ImportError:

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64, Uint8, Uint16
+from cutlass import Int32, Int64, Uint8
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 from cutlass.memory import SmemAllocator
@@ -137,10 +137,6 @@ class QuantizeConfig:
         """Tile rows of the grid: enough for any counts (each expert adds at most one
         partial tile)."""
         return -(-tokens_sum // TILE_TOKENS) + self.num_experts
-
-    @property
-    def code_bytes_per_token(self) -> float:
-        return 0.5 if self.elem == "e2m1" else 1.0
 
 
 def problem(cfg: QuantizeConfig):
@@ -646,7 +642,6 @@ class GroupedQuantizer:
         cfg = self.cfg
         C = cfg.channels
         groups = cute.size(amax)
-        group = TOKENS_PER_THREAD // groups
         # Per group: the multiplier of the values (FP32 bits), whether the codes are forced
         # (FP8 of a non-finite block: 0x7F; NVFP4 with a zero / non-finite scale: 0), and the
         # scale to store.

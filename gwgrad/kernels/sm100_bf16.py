@@ -647,7 +647,6 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
     ):
         """MMA warp: tcgen05.mma of each unit into the next TMEM accumulator stage (the
         leader CTA of a pair issues it)."""
-        cfg = self.cfg
         tmem.wait_for_alloc()
         tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
         tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)

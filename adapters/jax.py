@@ -236,14 +236,20 @@ def _cuda_lowering(ctx, x, dy, offsets, *out, out_dtype, accumulate):
             ctx, x, dy, offsets, *out)
 
 
-mlir.register_lowering(_wgrad_p, _cpu_lowering, platform="cpu")
-mlir.register_lowering(_wgrad_p, _cuda_lowering, platform="cuda")
-try:  # as cutlass_call's own primitive: lowering may look at the devices
-    from jax._src.dispatch import prim_requires_devices_during_lowering
+def _register_lowerings(prim, cpu_lowering, cuda_lowering) -> None:
+    """The CPU (NumPy / jnp) and CUDA (cutlass_call) lowerings of one of gwgrad's
+    primitives; like cutlass_call's own primitive, lowering may look at the devices."""
+    mlir.register_lowering(prim, cpu_lowering, platform="cpu")
+    mlir.register_lowering(prim, cuda_lowering, platform="cuda")
+    try:
+        from jax._src.dispatch import prim_requires_devices_during_lowering
 
-    prim_requires_devices_during_lowering.add(_wgrad_p)
-except ImportError:  # pragma: no cover
-    pass
+        prim_requires_devices_during_lowering.add(prim)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+_register_lowerings(_wgrad_p, _cpu_lowering, _cuda_lowering)
 
 
 # --- the entry point ------------------------------------------------------------------------
@@ -544,12 +550,7 @@ def _fp8_cuda_lowering(ctx, *args, scale_recipe, out_dtype, accumulate):
         return mlir.lower_fun(lambda *a: call(*a)[0], multiple_results=False)(ctx, *args)
 
 
-mlir.register_lowering(_wgrad_fp8_p, _fp8_cpu_lowering, platform="cpu")
-mlir.register_lowering(_wgrad_fp8_p, _fp8_cuda_lowering, platform="cuda")
-try:
-    prim_requires_devices_during_lowering.add(_wgrad_fp8_p)
-except NameError:  # pragma: no cover
-    pass
+_register_lowerings(_wgrad_fp8_p, _fp8_cpu_lowering, _fp8_cuda_lowering)
 
 
 def wgrad_fp8(xt, dyt, offsets, x_scale, dy_scale, *, scale_recipe: str, out=None,
@@ -851,12 +852,7 @@ def _quantize_cuda_lowering(ctx, x, offsets, *, fmt, elem):
         return mlir.lower_fun(run, multiple_results=True)(ctx, x, offsets)
 
 
-mlir.register_lowering(_quantize_p, _quantize_cpu_lowering, platform="cpu")
-mlir.register_lowering(_quantize_p, _quantize_cuda_lowering, platform="cuda")
-try:
-    prim_requires_devices_during_lowering.add(_quantize_p)
-except NameError:  # pragma: no cover
-    pass
+_register_lowerings(_quantize_p, _quantize_cpu_lowering, _quantize_cuda_lowering)
 
 
 def quantize(x, offsets, fmt: str, *, elem=None):

@@ -47,6 +47,7 @@ from .api import TupleDict
 from .dtypes import DType
 from .errors import ArgumentError, fail
 from .tensors import TensorDesc
+from .validation import check_aligned
 
 __all__ = ["FORMATS", "QuantizedLayout", "layout", "quantize", "reference_quantize"]
 
@@ -236,40 +237,42 @@ def compile_quantizer(cfg, arch: str, extra_options: str = "") -> Any:
     """``cute.compile`` of the quantizer of ``cfg`` for ``arch`` (no cache; the compile tests
     read ``.artifacts.PTX`` with ``extra_options="--keep-ptx"``)."""
     from .backends import _cutedsl
-    from .dsl import shielded_argv
     from .kernels.quantize import GroupedQuantizer, problem
 
     bad = problem(cfg)
     if bad is not None:
         raise ArgumentError(*bad)
-    import cuda.bindings.driver as cuda_driver
-    import cutlass
-    import cutlass.cute as cute
 
-    def ptr(dtype, align):
-        return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
+    def samples() -> list:
+        """Placeholder values of SIGNATURE (types and alignments)."""
+        import cuda.bindings.driver as cuda_driver
+        import cutlass
+        import cutlass.cute as cute
 
-    sf = cutlass.Float32 if cfg.recipe != sc.BLOCKED else cutlass.Uint8
-    args = [ptr(cutlass.BFloat16, 16), ptr(cutlass.Int32, 4), ptr(cutlass.Uint8, 16),
-            ptr(sf, 16), ptr(cutlass.Float32, 4), ptr(cutlass.Int32, 16), cutlass.Int32(1),
-            cutlass.Int32(1), cutlass.Int32(1), cuda_driver.CUstream(0)]
-    with _cutedsl._compile_lock, shielded_argv():
-        fn = cute.compile(GroupedQuantizer(cfg), *args,
-                          options=f"--gpu-arch {arch} {extra_options}".strip())
-        _cutedsl.compile_count += 1
-    return fn
+        def ptr(dtype, align):
+            return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
+
+        sf = cutlass.Float32 if cfg.recipe != sc.BLOCKED else cutlass.Uint8
+        return [ptr(cutlass.BFloat16, 16), ptr(cutlass.Int32, 4), ptr(cutlass.Uint8, 16),
+                ptr(sf, 16), ptr(cutlass.Float32, 4), ptr(cutlass.Int32, 16), cutlass.Int32(1),
+                cutlass.Int32(1), cutlass.Int32(1), cuda_driver.CUstream(0)]
+
+    return _cutedsl.compile_entry(GroupedQuantizer(cfg), samples,
+                                  _cutedsl.compile_options_for(arch, extra_options))
 
 
 def _kernel(cfg, arch: str):
     key = (cfg, arch)
     kernel = _kernels.get(key)
     if kernel is None:
+        from .backends import _cutedsl
+
         with _lock:
             kernel = _kernels.get(key)
             if kernel is None:
                 kernel = kernel_cache.load_or_compile(
                     ("gwgrad.kernels.quantize.GroupedQuantizer", repr(cfg)), arch,
-                    f"--gpu-arch {arch}", SIGNATURE,
+                    _cutedsl.compile_options_for(arch), SIGNATURE,
                     lambda: (compile_quantizer(cfg, arch), {}))
                 _kernels[key] = kernel
     return kernel
@@ -362,6 +365,10 @@ def quantize(x: Any, offsets: Any, fmt: str, *, elem: Optional[str] = None, data
     if not xd.is_cuda:
         _run_reference(xd, od, fmt, elem, lay, data_d, scales_d, gs_d)
     else:
+        # The kernel's vector loads and stores (16 bytes), int32 / float32 words (4).
+        for name, d, nbytes in (("x", xd, 16), ("data", data_d, 16), ("scales", scales_d, 16),
+                                ("offsets", od, 4), ("global_scale", gs_d, 4)):
+            check_aligned(d, name, nbytes)
         from .backends import detect_arch
 
         arch = detect_arch(xd.device_id)
@@ -375,13 +382,6 @@ def quantize(x: Any, offsets: Any, fmt: str, *, elem: Optional[str] = None, data
             ws = torch_.workspace(xd.device_id, stream_h, nbytes)
         else:
             ws = interop.workspace(xd.device_id, stream_h, nbytes, "quantize")
-        for name, d in (("x", xd), ("data", data_d), ("scales", scales_d)):
-            if d.ptr % 16:
-                fail(name, "a 16-byte aligned address", hex(d.ptr))
-        if od.ptr % 4:
-            fail("offsets", "a 4-byte aligned address", hex(od.ptr))
-        if gs_d is not None and gs_d.ptr % 4:
-            fail("global_scale", "a 4-byte aligned address", hex(gs_d.ptr))
         # Tile rows (>= 1: with no tokens, row 0 still writes the empty experts' scales).
         tile_bound = cfg.tile_bound(tokens)
         kernel.launch(xd.device_id, stream_h, xd.ptr, od.ptr, data_d.ptr, scales_d.ptr,

@@ -11,7 +11,7 @@ import gwgrad
 from gwgrad import quantizers as Q
 from gwgrad.bench import _cumsum, time_interleaved, token_counts
 from gwgrad.bench.quantize import row_bytes
-from gwgrad.interop.torch import native_dtype
+import gwgrad.adapters.torch as gwt
 
 tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 65536
 channels = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
@@ -24,9 +24,7 @@ for fmt in ("mxfp8", "mxfp4", "block_1x128", "per_expert_channel", "nvfp4"):
         offsets = torch.tensor(_cumsum(token_counts(tokens, experts, "uniform", 128)),
                                dtype=torch.int32, device="cuda")
         lay = Q.layout(fmt, tokens, channels, experts)
-        data = torch.empty(lay.data_shape, dtype=native_dtype(lay.data_dtype), device="cuda")
-        sc = torch.empty(lay.scale_shape, dtype=native_dtype(lay.scale_dtype), device="cuda")
-        gs = torch.empty(lay.global_shape, device="cuda") if lay.global_shape else None
+        data, sc, gs = gwt.quantize(x, offsets, fmt)  # outputs the timed calls reuse
         fns[f"E={experts}"] = (lambda o=offsets, d=data, s=sc, g=gs: gwgrad.quantize(
             x, o, fmt, data=d, scales=s, global_scale=g))
         nbytes[f"E={experts}"] = row_bytes(fmt, tokens, channels, lay)

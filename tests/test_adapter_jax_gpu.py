@@ -20,27 +20,9 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import gwgrad.adapters.jax as gwj  # noqa: E402
+from jax_gpu import gpus, module_marks  # noqa: E402
 
-try:
-    import pytest_timeout  # noqa: F401
-
-    _timeout = [pytest.mark.timeout(120)]
-except ImportError:
-    _timeout = []
-
-
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not _gpus(), reason="needs JAX with a CUDA GPU"),
-    *_timeout,
-]
+pytestmark = module_marks(120)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,7 +56,7 @@ def rel_err(got, want):
 
 def test_jit_against_reference(rng):
     x, dy, offsets = inputs(rng)
-    assert x.devices() == {_gpus()[0]}
+    assert x.devices() == {gpus()[0]}
     want = reference(x, dy, offsets)
     w = jax.jit(lambda x, dy, o: gwj.wgrad(x, dy, o))(x, dy, offsets)
     assert w.dtype == jnp.bfloat16 and rel_err(w, want) < 1e-2
@@ -144,8 +126,8 @@ def test_with_cuda_graphs_enabled(tmp_path):
         warnings.warn("XLA did not put gwgrad's custom call in a command buffer (CUDA graph)")
 
 
-@pytest.mark.skipif(len(_gpus()) < 2, reason="needs two GPUs")
-def test_shard_map_over_two_gpus():
+@pytest.mark.skipif(len(gpus()) < 2, reason="needs two GPUs")
+def test_shard_map_over_twogpus():
     _run("""
         import numpy as np, jax, jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec as P
@@ -247,7 +229,7 @@ def test_wgrad_fp8_bits_equal_the_core(rng, recipe):
 
     # bfloat16 output, no global scales
     w = jax.jit(lambda *a: gwj.wgrad_fp8(*a, scale_recipe=recipe))(*args)
-    assert w.dtype == jnp.bfloat16 and w.devices() == {_gpus()[0]}
+    assert w.dtype == jnp.bfloat16 and w.devices() == {gpus()[0]}
     want = _core(torch, case, recipe, torch.empty(shape, dtype=torch.bfloat16, device="cuda"),
                  False, False)
     np.testing.assert_array_equal(_bits(w), want.view(torch.int16).numpy().view(np.uint16))

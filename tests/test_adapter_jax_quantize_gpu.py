@@ -18,27 +18,9 @@ import gwgrad  # noqa: E402
 from gwgrad import quantizers as Q  # noqa: E402
 from quantize_cases import special_values  # noqa: E402
 import gwgrad.adapters.jax as gwj  # noqa: E402
+from jax_gpu import gpus, module_marks  # noqa: E402
 
-try:
-    import pytest_timeout  # noqa: F401  (the timeout marker needs the plugin)
-
-    _timeout = [pytest.mark.timeout(300)]
-except ImportError:
-    _timeout = []
-
-
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not _gpus(), reason="needs JAX with a CUDA GPU"),
-    *_timeout,
-]
+pytestmark = module_marks(300)
 
 CHANNELS = 200  # neither a multiple of 64 nor of 128: partial channel blocks, padded rows
 CASES = [(fmt, elem) for fmt, f in Q.FORMATS.items() for elem in f.elems]
@@ -69,7 +51,7 @@ def values_of(bits16: np.ndarray) -> np.ndarray:
 
 
 def on_gpu(bits16: np.ndarray):
-    return jax.lax.bitcast_convert_type(jax.device_put(bits16, _gpus()[0]), jnp.bfloat16)
+    return jax.lax.bitcast_convert_type(jax.device_put(bits16, gpus()[0]), jnp.bfloat16)
 
 
 def bits(arr) -> np.ndarray:
@@ -117,7 +99,7 @@ def test_jit_bits_equal_the_core(rng, fmt, elem):
     x = on_gpu(x16)
     f = jax.jit(lambda x, o: gwj.quantize(x, o, fmt, elem=elem))
     got = f(x, jnp.asarray(offsets))
-    assert got[0].devices() == {_gpus()[0]}
+    assert got[0].devices() == {gpus()[0]}
     assert got[0].dtype == {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}.get(
         elem, jnp.uint8)
     assert_same_bits(got, core(torch, x16, offsets, fmt, elem), "core")

@@ -643,3 +643,48 @@ def test_quantize_argument_errors(case):
         call()
     assert isinstance(err.value, ArgumentError) and err.value.argument == argument, err.value
     assert str(err.value).startswith(f"{argument}: ")
+
+
+@pytest.mark.parametrize("name", ["x", "data", "scales", "offsets", "global_scale"])
+def test_quantize_misaligned_cuda_address_names_the_argument(monkeypatch, name):
+    """The GPU path's alignment rules (16 bytes for the vector loads and stores, 4 for the
+    int32 / float32 words), checked before any compile or launch: raw CUDA descriptors with
+    one address off by 4 (2 for 4-byte words), the launch itself stubbed out."""
+    from gwgrad import backends
+    from gwgrad.tensors import TensorDesc
+
+    launched = []
+
+    class Kernel:
+        def launch(self, *args):
+            launched.append(args)
+
+    monkeypatch.setattr(Q, "_kernel", lambda cfg, arch: Kernel())
+    monkeypatch.setattr(backends, "detect_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(Q.interop, "workspace", lambda *a, **k: 1 << 40)
+    tokens, channels, experts = 64, 128, 2
+    lay = Q.layout("nvfp4", tokens, channels, experts)
+
+    def desc(base, shape, dtype):
+        strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+        return TensorDesc(base, tuple(shape), strides, dtype, "cuda", 0)
+
+    shift = {"x": 4, "data": 4, "scales": 4, "offsets": 2, "global_scale": 2}
+    bases = {n: (1 << 30) * (i + 1) + (shift[n] if n == name else 0)
+             for i, n in enumerate(shift)}
+    args = dict(
+        data=desc(bases["data"], lay.data_shape, DType.UINT8),
+        scales=desc(bases["scales"], lay.scale_shape, DType.UINT8),
+        global_scale=desc(bases["global_scale"], lay.global_shape, DType.FLOAT32))
+    x = desc(bases["x"], (tokens, channels), DType.BFLOAT16)
+    offsets = desc(bases["offsets"], (experts,), DType.INT32)
+    with pytest.raises(ValueError, match=rf"^{name}: expected a \d+-byte aligned"):
+        gwgrad.quantize(x, offsets, "nvfp4", stream=0, **args)
+    assert not launched
+    bases[name] -= shift[name]  # aligned: the call goes through to the (stubbed) launch
+    gwgrad.quantize(desc(bases["x"], (tokens, channels), DType.BFLOAT16),
+                    desc(bases["offsets"], (experts,), DType.INT32), "nvfp4", stream=0,
+                    data=desc(bases["data"], lay.data_shape, DType.UINT8),
+                    scales=desc(bases["scales"], lay.scale_shape, DType.UINT8),
+                    global_scale=desc(bases["global_scale"], lay.global_shape, DType.FLOAT32))
+    assert len(launched) == 1

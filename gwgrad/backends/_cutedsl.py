@@ -178,20 +178,32 @@ def _sample_arguments(spec: StaticSpec) -> list:
 
 def compile_options(spec: StaticSpec, extra_options: str = "") -> str:
     """The DSL compile options of a spec's kernel."""
-    return f"--gpu-arch {spec.arch} {extra_options}".strip()
+    return compile_options_for(spec.arch, extra_options)
+
+
+def compile_options_for(arch: str, extra_options: str = "") -> str:
+    """The DSL compile options of a kernel for ``arch`` (no GPU needed: ``--gpu-arch``)."""
+    return f"--gpu-arch {arch} {extra_options}".strip()
 
 
 def compile_kernel(kernel: Any, spec: StaticSpec, extra_options: str = "") -> Any:
     """``cute.compile`` of ``kernel`` (an object with a ``@cute.jit __call__`` taking
     ``ENTRY_SIGNATURE``) for ``spec.arch``; no cache. The compile tests read the PTX of
     ``compile_kernel(kernel, spec, "--keep-ptx").artifacts.PTX``."""
+    return compile_entry(kernel, lambda: _sample_arguments(spec),
+                         compile_options(spec, extra_options))
+
+
+def compile_entry(entry: Any, samples: Callable[[], list], options: str) -> Any:
+    """``cute.compile(entry, *samples(), options=options)`` under the process's compile lock,
+    shielded from ``sys.argv`` (which the DSL reads when it compiles), counted in
+    ``compile_count``. Every kernel gwgrad compiles (GEMMs, quantizers) goes through here."""
     global compile_count
 
-    with _compile_lock, shielded_argv():  # the DSL reads sys.argv when it compiles
+    with _compile_lock, shielded_argv():
         import cutlass.cute as cute
 
-        fn = cute.compile(kernel, *_sample_arguments(spec),
-                          options=compile_options(spec, extra_options))
+        fn = cute.compile(entry, *samples(), options=options)
         compile_count += 1
     return fn
 

@@ -234,12 +234,6 @@ def e4m3_value(code: Int32) -> Int32:
                       "=r,r"))
 
 
-def f32_gt(a: Int32, b: Int32) -> Int32:
-    """1 when |a| > b for finite non-negative b (FP32 bits; NaN: 0)."""
-    a = a & 0x7FFFFFFF
-    return Int32(a > b) * Int32(a <= NONFINITE)
-
-
 def f32_fma(a: Int32, b: Int32, c: Int32) -> Int32:
     """``a * b + c`` (FP32 bits), one rounding to nearest even, subnormals kept."""
     return Int32(_asm(T.i32(), [Int32(a), Int32(b), Int32(c)],

@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 import numpy as np
 
 from . import scales
+from .dtypes import DType
 from .errors import ArgumentError
 from .spec import StaticSpec
 from .tensors import TensorDesc
@@ -23,10 +24,13 @@ from .tensors import TensorDesc
 def token_count_multiple(spec: StaticSpec) -> int:
     """Each expert's token count (offsets[e] - offsets[e-1]) must be a multiple of this.
 
-    Block-scaled inputs: 32 with ``blocked`` scales, every format (whole ``sf_vec_size`` scale
-    blocks for MX, and 16-byte TMA rows of packed FP4 / FP8: an expert's scales start at a
-    prefix sum of its predecessors', gwgrad/scales.py); 16 with the FP32 recipes
-    (``per_expert_channel``, ``block_1x128``: FP8 operands, 16-byte TMA rows). BF16 kernels take
+    Block-scaled inputs: with ``blocked`` scales 32 for FP8 (MXFP8: whole 32-token scale
+    blocks, 16-byte TMA rows; an expert's scales start at a prefix sum of its predecessors',
+    gwgrad/scales.py) and 64 for packed FP4 (NVFP4, MXFP4: one K=64 step of the block-scaled
+    MMA, so that no MMA step of an expert reads a padding scale column, whatever bytes the
+    padding holds; cuDNN's kernel is only right for multiples of 4 * sf_vec_size, 64 / 128);
+    16 with the FP32 recipes (``per_expert_channel``, ``block_1x128``: FP8 operands, 16-byte
+    TMA rows). BF16 kernels take
     any count when both operands are M/N-major (the token axis is the strided one). A K-major
     operand has the token axis contiguous: TMA needs each expert's rows to start and end on
     16-byte boundaries there (and a ``tensor_ragged`` block has a row stride of ``count``
@@ -35,10 +39,16 @@ def token_count_multiple(spec: StaticSpec) -> int:
     if spec.is_block_scaled:
         if spec.scale_recipe in (scales.PER_EXPERT_CHANNEL, scales.BLOCK_1X128):
             return 16
-        return 32
+        return blocked_count_multiple(spec.a_dtype)
     if "k" in (spec.a_major, spec.b_major):
         return 16 // spec.a_dtype.itemsize
     return 1
+
+
+def blocked_count_multiple(elem: DType) -> int:
+    """Token-count multiple of ``blocked`` scales with operands of dtype ``elem`` (the rule
+    above; the GPU quantizers of those formats share it)."""
+    return 64 if elem == DType.FLOAT4_E2M1FN_X2 else 32
 
 
 def tokens_sum_multiple(spec: StaticSpec) -> int:
@@ -136,6 +146,9 @@ def problem_detail(code: int, expert: int, value: int, prev: int, tokens_sum: in
 
 
 def _multiple_reason(multiple: int) -> str:
+    if multiple == 64:
+        return ("packed FP4 inputs: one K=64 step of the block-scaled MMA, so that no step reads "
+                "a padding scale column")
     if multiple >= 32:
         return "block-scaled inputs: whole scale blocks and 16-byte aligned TMA rows"
     if multiple == 16:

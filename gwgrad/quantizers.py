@@ -93,8 +93,9 @@ def _elem(fmt: str, elem: Optional[str]) -> str:
 
 
 def count_multiple(fmt: str) -> int:
-    """Every expert's token count must be a multiple of this (the consuming GEMM's rule,
-    gwgrad.offsets.token_count_multiple)."""
+    """Every expert's token count must be a multiple of this: 32 with blocked scales (whole
+    scale blocks), 16 with the FP32 recipes. The FP4 GEMM (SM100) takes multiples of 64 only
+    (gwgrad.offsets.token_count_multiple: no MMA step may read a padding scale column)."""
     return 32 if _format(fmt).recipe == sc.BLOCKED else 16
 
 

@@ -3,7 +3,9 @@ without a GPU (the DSL's --gpu-arch), and return the PTX."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import tempfile
 
 from gwgrad.dtypes import DType
 from gwgrad.spec import StaticSpec
@@ -44,9 +46,21 @@ def compile_ptx(s: StaticSpec) -> str:
     s, backend = finalize_spec(s)
     kernel = backend.make_kernel(s)
     # The same compile as the backend's (never from the kernel cache), keeping the PTX.
-    ptx = _cutedsl.compile_kernel(kernel, s, extra_options="--keep-ptx").artifacts.PTX
+    with private_dump_dir() as options:
+        ptx = _cutedsl.compile_kernel(kernel, s, extra_options=options).artifacts.PTX
     assert ptx and ".entry" in ptx
     return ptx
+
+
+@contextlib.contextmanager
+def private_dump_dir():
+    """Compile options keeping the PTX in a directory of this compile's own. --keep-ptx writes
+    ``<dump dir>/<function name>.<arch>.ptx`` and ``artifacts.PTX`` reads that file back; the
+    default dump directory is the working directory and the name is the same for every spec
+    of a kernel class, so another process compiling in the same checkout (a second pytest,
+    a script) could swap the file between write and read."""
+    with tempfile.TemporaryDirectory(prefix="gwgrad-ptx-") as path:
+        yield f"--keep-ptx --dump-dir {path}"
 
 
 def replace(s, **kw):

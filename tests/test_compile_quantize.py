@@ -9,7 +9,6 @@ ptxas (when installed) assembles the PTX without spilling."""
 
 from __future__ import annotations
 
-import contextlib
 import re
 import shutil
 import subprocess
@@ -21,6 +20,7 @@ pytest.importorskip("cutlass")
 from gwgrad import quantizers as Q  # noqa: E402
 from gwgrad.errors import ArgumentError  # noqa: E402
 from gwgrad.kernels.quantize import QuantizeConfig, problem  # noqa: E402
+from kernel_compile import private_dump_dir  # noqa: E402
 
 ARCHS = ["sm_90a", "sm_100a"]
 CASES = [(fmt, elem) for fmt, f in Q.FORMATS.items() for elem in f.elems]
@@ -33,26 +33,8 @@ BLOCKED = {fmt for fmt, f in Q.FORMATS.items() if f.recipe == "blocked"}
 ATOM_MAX = "atom.global.max.s32"
 
 
-@contextlib.contextmanager
-def _dump_directory(path):
-    """Compile with the DSL's artifact directory set to ``path``. --keep-ptx writes
-    ``<dump dir>/<function name>.<arch>.ptx`` and ``artifacts.PTX`` reads that file back; the
-    dump directory is the working directory when the DSL was first used, and the name is the
-    same for every quantizer config, so without this another process compiling in the same
-    checkout (pytest-xdist, a second session) can swap the file between write and read."""
-    from cutlass.cutlass_dsl import CuTeDSL
-
-    envar = CuTeDSL._get_dsl().envar
-    old = envar.dump_dir
-    envar.dump_dir = str(path)
-    try:
-        yield
-    finally:
-        envar.dump_dir = old
-
-
 @pytest.fixture(scope="module")
-def ptx_of(tmp_path_factory):
+def ptx_of():
     """PTX of (fmt, elem, arch), each compiled once for the module (~0.5 s a compile)."""
     cache = {}
 
@@ -60,9 +42,8 @@ def ptx_of(tmp_path_factory):
         key = (fmt, elem, arch)
         if key not in cache:
             cfg = Q.kernel_config(fmt, elem, CHANNELS, EXPERTS)
-            with _dump_directory(tmp_path_factory.mktemp(f"{fmt}-{elem}-{arch}")):
-                fn = Q.compile_quantizer(cfg, arch, "--keep-ptx")
-            ptx = fn.artifacts.PTX
+            with private_dump_dir() as options:
+                ptx = Q.compile_quantizer(cfg, arch, options).artifacts.PTX
             assert ptx and ".entry" in ptx
             cache[key] = ptx
         return cache[key]

@@ -144,6 +144,7 @@ def check(got, expected, rtol=1e-6):
 
 RAGGED_32 = (96, 0, 32, 256, 64)   # multiples of 32, not all of 128; an empty expert
 RAGGED_16 = (48, 0, 144, 256, 16)  # multiples of 16, not of 128
+RAGGED_64 = (192, 0, 64, 256, 64)  # multiples of 64 (FP4's rule), not all of 128
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
@@ -159,7 +160,7 @@ def test_mxfp8_blocked(rng, fmt, order, a_major, b_major):
 
 @pytest.mark.parametrize("order", ["tensor2d", "tensor_ragged"])
 def test_nvfp4_blocked_with_per_expert_global_scales(rng, order):
-    case = build(rng, "blocked", "e2m1", "e2m1", (64, 0, 160, 32), sf_fmt="e4m3", sf_vec=16,
+    case = build(rng, "blocked", "e2m1", "e2m1", (64, 0, 192, 64), sf_fmt="e4m3", sf_vec=16,
                  order=order)
     gsa = case.kwargs["global_scale_a"]
     assert gsa.shape == (4,) and len(set(gsa.tolist())) > 1  # one global scale per expert
@@ -168,7 +169,7 @@ def test_nvfp4_blocked_with_per_expert_global_scales(rng, order):
 
 @pytest.mark.parametrize("global_scales", [False, True])
 def test_mxfp4_blocked(rng, global_scales):
-    case = build(rng, "blocked", "e2m1", "e2m1", RAGGED_32, sf_fmt="e8m0", sf_vec=32,
+    case = build(rng, "blocked", "e2m1", "e2m1", RAGGED_64, sf_fmt="e8m0", sf_vec=32,
                  global_scales=global_scales)
     check(run(case), case.expected)
 

@@ -118,7 +118,8 @@ def test_accepted(case):
     assert spec.is_block_scaled
     assert (spec.scale_recipe, spec.sf_vec_size, spec.sf_dtype, spec.has_global_scale) == \
         (recipe, vec, sf, has_gs)
-    assert token_count_multiple(spec) == (32 if recipe == "blocked" else 16)
+    fp4 = spec.a_dtype == DType.FLOAT4_E2M1FN_X2
+    assert token_count_multiple(spec) == ((64 if fp4 else 32) if recipe == "blocked" else 16)
     assert spec.a_dtype == kw["a"].dtype and spec.b_dtype == kw["b"].dtype
     hash(spec)
     # the per-call check accepts the tensors the spec was built from
@@ -346,7 +347,11 @@ def test_capacity_message_names_sfa_tensor():
     nvfp4 = dataclasses.replace(spec, a_dtype=FP4, b_dtype=FP4, sf_dtype=E4M3, sf_vec_size=16)
     with pytest.raises(ArgumentError, match=r"^sfa_tensor: expected at least 4 scale columns for "
                                             r"expert 0 .*ceil\(count/16\), 4\)\), got 2"):
-        check_offsets_values(np.array([32, 32, 160, 160]), 160, nvfp4, capacity=2)
+        check_offsets_values(np.array([64, 64, 192, 192]), 192, nvfp4, capacity=2)
+    # FP4 GEMMs take counts that are multiples of 64 (one block-scaled MMA step)
+    with pytest.raises(ArgumentError, match=r"^offsets_tensor: expected every expert's token "
+                                            r"count to be a multiple of 64 \(packed FP4"):
+        check_offsets_values(np.array([32, 64, 192, 192]), 192, nvfp4, capacity=16)
     # block_1x128 counts rows
     spec = build_spec(**fp32("block_1x128"))
     with pytest.raises(ArgumentError, match=r"^sfa_tensor: expected at least 3 scale rows for "

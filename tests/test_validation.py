@@ -405,16 +405,16 @@ def test_arch_from_capability_and_override(monkeypatch, capability, arch):
         backends_mod._arch_of_device.cache_clear()
 
 
-@pytest.mark.parametrize("arch", ["sm_100a"])  # SM90 has its FP8 backend (backends/fp8_sm90.py)
-def test_block_scaled_has_no_gpu_kernel_yet(arch):
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
+def test_block_scaled_backend_per_arch(arch):
     scaled_spec = build_spec(**dict(scaled(), a=d((H, T), (T, 1), DType.FLOAT8_E4M3FN, device="cuda"),
                                     b=d((T, N), (1, T), DType.FLOAT8_E4M3FN, device="cuda"),
                                     sfa=d((128, 8), None, DType.FLOAT8_E8M0FNU, device="cuda"),
                                     sfb=d((128, 8), None, DType.FLOAT8_E8M0FNU, device="cuda"),
                                     offsets=d((E,), None, DType.INT32, device="cuda"),
                                     wgrad=d((E, H, N), device="cuda"), arch=arch))
-    with pytest.raises(RuntimeError, match=f"no block-scaled kernel for {arch} yet"):
-        backends_mod.get_backend(scaled_spec)
+    want = "fp8_sm90" if arch == "sm_90a" else "blockscaled_sm100"
+    assert backends_mod.get_backend(scaled_spec).name == want
 
 
 def test_unsupported_tiling_is_the_backends_call(monkeypatch):

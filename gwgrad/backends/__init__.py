@@ -32,6 +32,8 @@ _KERNELS: Dict[Tuple[str, str], Tuple[str, str]] = {
     ("bf16", "sm_100a"): ("gwgrad.backends.bf16_sm100", "Bf16Sm100Backend"),
     ("bf16", "sm_103a"): ("gwgrad.backends.bf16_sm100", "Bf16Sm100Backend"),
     ("block_scaled", "sm_90a"): ("gwgrad.backends.fp8_sm90", "Fp8Sm90Backend"),
+    ("block_scaled", "sm_100a"): ("gwgrad.backends.blockscaled_sm100", "BlockScaledSm100Backend"),
+    ("block_scaled", "sm_103a"): ("gwgrad.backends.blockscaled_sm100", "BlockScaledSm100Backend"),
 }
 _instances: Dict[Tuple[str, str], Backend] = {}
 

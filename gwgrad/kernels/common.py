@@ -115,6 +115,9 @@ class ProblemConfig:
     scale_recipe: str = ""
     sf_vec: int = 0
     has_global_scale: bool = False
+    # SM100 block-scaled: the prep kernel also writes each expert's scale-factor descriptors
+    # (slots desc_sfa / desc_sfb, over the expert's chunk of the blocked layout).
+    sf_descriptors: bool = False
 
     # -- scales ------------------------------------------------------------------------
     @property
@@ -157,7 +160,16 @@ class ProblemConfig:
     # -- workspace layout ---------------------------------------------------------------
     @property
     def desc_slots(self) -> int:
+        """Descriptor slots per expert: A, B, (C: discrete outputs), (SFA, SFB)."""
+        return (3 if self.output_mode == "discrete" else 2) + (2 if self.sf_descriptors else 0)
+
+    @property
+    def desc_sfa(self) -> int:
         return 3 if self.output_mode == "discrete" else 2
+
+    @property
+    def desc_sfb(self) -> int:
+        return self.desc_sfa + 1
 
     @property
     def ranges_offset(self) -> int:
@@ -199,6 +211,7 @@ _CUTLASS_DTYPES = {
     "float32": cutlass.Float32,
     "float8_e4m3fn": cutlass.Float8E4M3FN,
     "float8_e5m2": cutlass.Float8E5M2,
+    "float4_e2m1fn_x2": cutlass.Float4E2M1FN,  # packed two per byte: element-indexed views
 }
 
 DESC_A, DESC_B, DESC_C = 0, 1, 2
@@ -389,7 +402,7 @@ def write_ranges_and_order(
         order[rank] = expert
         if expert == 0:
             counter[0] = Int32(0)
-    return begin, end
+    return begin, end, columns_before
 
 
 @cute.jit
@@ -725,17 +738,25 @@ class GroupedWgradKernel(GemmEntryPoints):
 
     def launch_prep(self, mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status_ptr,
                     tiled_mma, a_smem_layout, b_smem_layout, epi_smem_layout, stream,
-                    sf_capacity=None):
+                    sf_capacity=None, scale_views=None):
         """`sf_capacity`: the scale tensors' columns (blocked) or rows (block_1x128), which the
-        offsets check compares with what the offsets need (None: no such scales)."""
+        offsets check compares with what the offsets need (None: no such scales).
+        `scale_views`: what a kernel with per-expert scale descriptors needs to build them
+        (its `prep_kernel_scaled` arguments after the common ones; None: no such
+        descriptors)."""
         status = cute.make_tensor(
             cute.recast_ptr(status_ptr, dtype=Int32), cute.make_layout(STATUS_INT32)
         )
-        self.prep_kernel(
+        args = (
             mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status, tiled_mma,
             a_smem_layout, b_smem_layout, epi_smem_layout, self.epi_tile,
             Int32(0) if sf_capacity is None else sf_capacity,
-        ).launch(grid=(self.cfg.num_experts, 1, 1), block=(32, 1, 1), stream=stream)
+        )
+        if cutlass.const_expr(scale_views is None):
+            prep = self.prep_kernel(*args)
+        else:
+            prep = self.prep_kernel_scaled(*args, *scale_views)
+        prep.launch(grid=(self.cfg.num_experts, 1, 1), block=(32, 1, 1), stream=stream)
 
     @cute.kernel
     def prep_kernel(
@@ -756,12 +777,26 @@ class GroupedWgradKernel(GemmEntryPoints):
     ):
         """One warp per expert: range, rank, scale base and the expert's TMA descriptors;
         block 0 also checks the offsets (verdict and status record)."""
+        self.prep_body(
+            mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status, tiled_mma,
+            a_smem_layout, b_smem_layout, epi_smem_layout, epi_tile, sf_capacity,
+        )
+        # Order the descriptor writes before the GEMM kernel's tensormap-proxy reads.
+        cpasync.fence_tma_desc_release()
+
+    @cute.jit
+    def prep_body(
+        self, mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status, tiled_mma,
+        a_smem_layout, b_smem_layout, epi_smem_layout, epi_tile, sf_capacity,
+    ):
+        """The prep kernel's work for this block's expert; returns (workspace, expert, begin,
+        end, scale columns before the expert) for kernels that add descriptors of their own."""
         cfg = self.cfg
         ws = Workspace(cfg, workspace_ptr)
         expert = cute.arch.block_idx()[0]
         if expert == 0:
             check_offsets(cfg, offsets, tokens_sum, ws, status, sf_capacity)
-        begin, end = write_ranges_and_order(cfg, offsets, tokens_sum, ws)
+        begin, end, columns_before = write_ranges_and_order(cfg, offsets, tokens_sum, ws)
         a_e = expert_operand_view(mA, cfg.hidden, cfg.a_ragged_block, begin, end)
         b_e = expert_operand_view(mB, cfg.intermediate, cfg.b_ragged_block, begin, end)
         atom_a, atom_b = self.expert_load_atoms(a_e, b_e, tiled_mma, a_smem_layout, b_smem_layout)
@@ -779,5 +814,4 @@ class GroupedWgradKernel(GemmEntryPoints):
                     self.c_store_op(), self.expert_output_tensor(c_e), epi_smem_layout, epi_tile
                 )
                 cpasync.copy_tensormap(atom_c, ws.desc_ptr(expert, DESC_C))
-        # Order the descriptor writes before the GEMM kernel's tensormap-proxy reads.
-        cpasync.fence_tma_desc_release()
+        return ws, expert, begin, end, columns_before

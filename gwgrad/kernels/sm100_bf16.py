@@ -31,6 +31,12 @@ memory, the pipelines, the TMEM allocator and the barriers, then calls one metho
             one (hidden, intermediate, E) descriptor, discrete outputs through the expert's
             descriptor. An empty expert stores zeros, or nothing when accumulating.
 
+Hooks for the block-scaled kernel (kernels/sm100_blockscaled.py, which extends this class):
+make_tiled_mma, scale_stage_bytes, setup_scales, tmem_columns on the host; scale_sources /
+kernel_scaled / prep_kernel_scaled at launch; scale_buffers, scale_load_partitions,
+load_scales, mma and unit_alpha in the kernel. With scales None (BF16) none of them runs and
+the PTX is the same as before they existed.
+
 Pipelines: ab (TMA -> UMMA, transaction mbarriers), acc (UMMA -> epilogue, TMEM stages), clc
 (CLC response -> the scheduler warp of every CTA), unit (scheduler -> TMA, MMA and epilogue
 warps of the CTA), and the epilogue's TMA store groups.
@@ -153,7 +159,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         self.use_2cta_instrs = mma_tiler_mn[0] == 256
         self.cluster_shape_mn = (cfg.cluster_m, cfg.cluster_n)
         self.acc_dtype = cutlass.Float32
-        self.ab_dtype = cfg.cutlass_ab_dtype
+        self.ab_dtype = cfg.cutlass_ab_dtype  # A's (and B's, unless b_dtype differs)
+        self.b_dtype = cfg.cutlass_b_dtype
         self.c_dtype = cfg.cutlass_c_dtype
         self.cta_group = tcgen05.CtaGroup.TWO if self.use_2cta_instrs else tcgen05.CtaGroup.ONE
         self.num_threads = 32 * NUM_WARPS
@@ -184,14 +191,12 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         self.a_major_mode = OperandMajorMode.K if cfg.a_major == "k" else OperandMajorMode.MN
         self.b_major_mode = OperandMajorMode.K if cfg.b_major == "k" else OperandMajorMode.MN
         self.c_layout = LayoutEnum.ROW_MAJOR
-        tiled_mma = sm100_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, self.a_major_mode, self.b_major_mode,
-            self.acc_dtype, self.cta_group, self.mma_tiler_mn,
-        )
+        tiled_mma = self.make_tiled_mma(self.cta_group, self.mma_tiler_mn)
         mma_inst_k = cute.size(tiled_mma.shape_mnk, mode=[2])
-        self.mma_tiler = (*self.mma_tiler_mn, mma_inst_k * 4)
+        self.mma_tiler = (*self.mma_tiler_mn, mma_inst_k * 4)  # 4 MMA instructions per K block
         if self.mma_tiler[2] != cfg.tile_k:
-            raise ValueError("internal: the K block must be 64 BF16 elements")
+            raise ValueError(f"internal: the K block must be {cfg.tile_k} tokens, the MMA's is "
+                             f"{self.mma_tiler[2]}")
         atom_thr = cute.size(tiled_mma.thr_id.shape)
         self.cta_tile_shape_mnk = (self.mma_tiler[0] // atom_thr, self.mma_tiler[1], self.mma_tiler[2])
         self.cluster_layout_vmnk = cute.tiled_divide(
@@ -211,8 +216,10 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         # Stages: 2 epilogue buffers, the rest of shared memory to the A/B ring.
         c_smem_one = sm100_utils.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 1)
         a_one = sm100_utils.make_smem_layout_a(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
-        b_one = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.ab_dtype, 1)
-        ab_bytes = cute.size_in_bytes(self.ab_dtype, a_one) + cute.size_in_bytes(self.ab_dtype, b_one)
+        b_one = sm100_utils.make_smem_layout_b(tiled_mma, self.mma_tiler, self.b_dtype, 1)
+        # One stage: A and B K-blocks (and a block-scaled kernel's scale factors).
+        ab_bytes = (cute.size_in_bytes(self.ab_dtype, a_one) + cute.size_in_bytes(self.b_dtype, b_one)
+                    + self.scale_stage_bytes(tiled_mma, 1))
         c_bytes = cute.size_in_bytes(self.c_dtype, c_smem_one)
         reserved = 1024
         self.epi_stage = 2
@@ -220,22 +227,42 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         self.epi_stage += (
             SMEM_CAPACITY - reserved - self.ab_stage * ab_bytes - self.epi_stage * c_bytes
         ) // c_bytes
+        self.setup_scales(tiled_mma)
         self.a_smem_layout_staged = sm100_utils.make_smem_layout_a(
             tiled_mma, self.mma_tiler, self.ab_dtype, self.ab_stage
         )
         self.b_smem_layout_staged = sm100_utils.make_smem_layout_b(
-            tiled_mma, self.mma_tiler, self.ab_dtype, self.ab_stage
+            tiled_mma, self.mma_tiler, self.b_dtype, self.ab_stage
         )
         self.epi_smem_layout_staged = sm100_utils.make_smem_layout_epi(
             self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage
         )
         acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
         tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.acc_stage))
-        self.num_tmem_alloc_cols = get_num_tmem_alloc_cols(tCtAcc_fake)
+        self.num_tmem_alloc_cols = self.tmem_columns(tCtAcc_fake)
         a_copy = cute.size_in_bytes(self.ab_dtype, cute.slice_(self.a_smem_layout_staged, (None, None, None, 0)))
-        b_copy = cute.size_in_bytes(self.ab_dtype, cute.slice_(self.b_smem_layout_staged, (None, None, None, 0)))
-        self.tma_bytes = (a_copy + b_copy) * atom_thr
+        b_copy = cute.size_in_bytes(self.b_dtype, cute.slice_(self.b_smem_layout_staged, (None, None, None, 0)))
+        # One stage's TMA transaction bytes, over the CTAs of an MMA (scale factors included).
+        self.tma_bytes = (a_copy + b_copy + self.scale_stage_bytes(tiled_mma, 1)) * atom_thr
         return tiled_mma
+
+    # Hooks of the block-scaled kernel (kernels/sm100_blockscaled.py); BF16 has no scales.
+    def make_tiled_mma(self, cta_group, mma_tiler_mn):
+        return sm100_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.b_dtype, self.a_major_mode, self.b_major_mode,
+            self.acc_dtype, cta_group, mma_tiler_mn,
+        )
+
+    def scale_stage_bytes(self, tiled_mma, stages: int) -> int:
+        """Shared-memory bytes of `stages` pipeline stages of scale factors."""
+        return 0
+
+    def setup_scales(self, tiled_mma) -> None:
+        """Scale-factor layouts, once the stage count (self.ab_stage) is known."""
+
+    def tmem_columns(self, tCtAcc_fake) -> int:
+        """TMEM columns to allocate: the accumulator stages (the DSL's rounding)."""
+        return get_num_tmem_alloc_cols(tCtAcc_fake)
 
     def _load_ops(self, tiled_mma):
         a_op = sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_shape_mn, tiled_mma.thr_id)
@@ -250,8 +277,9 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         )
 
     def launch(self, a_ptr, b_ptr, offsets_ptr, c_ptr, workspace_ptr, status_ptr, tokens_sum,
-               grid_size, stream):
-        """Prep + GEMM on `stream`. `grid_size` is unused: CLC needs one cluster per unit."""
+               grid_size, stream, scales=None):
+        """Prep + GEMM on `stream`. `grid_size` is unused: CLC needs one cluster per unit.
+        `scales`: block-scaled kernels' (sfa, sfb, gsa, gsb, sf_capacity) addresses."""
         cfg = self.cfg
         tiled_mma = self._setup()
         mA2, mB2 = gemm_views(cfg, a_ptr, b_ptr, tokens_sum)
@@ -285,17 +313,27 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             self.c_store_op(), mC, epi_smem_layout, self.epi_tile
         )
 
+        scale_sources, scale_views, sf_capacity = None, None, None
+        if cutlass.const_expr(scales is not None):
+            scale_sources, scale_views = self.scale_sources(scales, tiled_mma)
+            sf_capacity = scales[4]
         self.launch_prep(
             mA2, mB2, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status_ptr, tiled_mma,
-            a_smem_layout, b_smem_layout, epi_smem_layout, stream,
+            a_smem_layout, b_smem_layout, epi_smem_layout, stream, sf_capacity=sf_capacity,
+            scale_views=scale_views,
         )
         cluster_size = cfg.cluster_m * cfg.cluster_n
-        self.kernel(
+        args = (
             tiled_mma, tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c,
             tma_tensor_c, wgrad_ptrs, workspace_ptr, self.cluster_layout_vmnk,
             self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
             self.epi_tile,
-        ).launch(
+        )
+        if cutlass.const_expr(scales is None):
+            kernel = self.kernel(*args)
+        else:
+            kernel = self.kernel_scaled(*args, *scale_sources)
+        kernel.launch(
             grid=(cfg.num_units * cluster_size, 1, 1),
             block=(self.num_threads, 1, 1),
             cluster=(*self.cluster_shape_mn, 1),
@@ -350,17 +388,18 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             self.gemm_cta(
                 tiled_mma, tma_atom_a, mA_coord, tma_atom_b, mB_coord, tma_atom_c, mC_coord,
                 wgrad_ptrs, ws, cluster_layout_vmnk, a_smem_layout_staged, b_smem_layout_staged,
-                epi_smem_layout_staged, epi_tile,
+                epi_smem_layout_staged, epi_tile, None,
             )
 
     @cute.jit
     def gemm_cta(
         self, tiled_mma, tma_atom_a, mA_coord, tma_atom_b, mB_coord, tma_atom_c, mC_coord,
         wgrad_ptrs, ws, cluster_layout_vmnk, a_smem_layout_staged, b_smem_layout_staged,
-        epi_smem_layout_staged, epi_tile,
+        epi_smem_layout_staged, epi_tile, scales,
     ):
         """One CTA's whole work (valid offsets only): the shared setup, then each warp's role
-        (scheduler, tma_loads, mma, epilogue)."""
+        (scheduler, tma_loads, mma, epilogue). `scales`: None for BF16; the block-scaled
+        kernel's scale sources (its `scale_sources`)."""
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -451,9 +490,12 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             byte_alignment=128, swizzle=a_smem_layout_staged.inner,
         )
         sB = smem.allocate_tensor(
-            element_type=self.ab_dtype, layout=b_smem_layout_staged.outer,
+            element_type=self.b_dtype, layout=b_smem_layout_staged.outer,
             byte_alignment=128, swizzle=b_smem_layout_staged.inner,
         )
+        smem_scales = None
+        if cutlass.const_expr(scales is not None):
+            smem_scales = self.scale_buffers(smem, scales)
         a_mcast_mask = None
         b_mcast_mask = None
         if cutlass.const_expr(self.is_a_mcast or self.is_b_mcast or self.use_2cta_instrs):
@@ -489,12 +531,12 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                 tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB, thr_mma, ab_producer,
                 unit_pipeline, unit_slots, ws, a_cta_layout, b_cta_layout,
                 block_in_cluster_coord_vmnk, a_mcast_mask, b_mcast_mask, cta_m_in_cluster,
-                atom_thr,
+                atom_thr, scales, smem_scales, mma_tile_coord_v, cta_rank_in_cluster,
             )
         if warp_idx == WarpRole.MMA:
             self.mma(
                 tiled_mma, tCrA, tCrB, tCtAcc_fake, tmem, ab_consumer, acc_pipeline,
-                unit_pipeline, unit_slots, is_leader_cta,
+                unit_pipeline, unit_slots, is_leader_cta, ws, smem_scales,
             )
 
         sC = smem.allocate_tensor(
@@ -506,7 +548,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             self.epilogue(
                 tma_atom_c, mC_coord, sC, thr_mma, tmem, tCtAcc_fake, acc_pipeline,
                 unit_pipeline, unit_slots, ws, wgrad_ptrs, tidx, warp_idx,
-                epi_tile, use_2cta_instrs, cta_m_in_cluster, atom_thr,
+                epi_tile, use_2cta_instrs, cta_m_in_cluster, atom_thr, scales,
             )
 
     # ------------------------------------------------------------------------------------
@@ -581,10 +623,17 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         self, tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB, thr_mma, ab_producer,
         unit_pipeline, unit_slots, ws, a_cta_layout, b_cta_layout,
         block_in_cluster_coord_vmnk, a_mcast_mask, b_mcast_mask, cta_m_in_cluster,
-        atom_thr: cutlass.Constexpr,
+        atom_thr: cutlass.Constexpr, scales, smem_scales, mma_tile_coord_v, cta_rank_in_cluster,
     ):
-        """TMA warp: each unit's A and B K-blocks through the expert's descriptors."""
+        """TMA warp: each unit's A and B K-blocks (and scale factors) through the expert's
+        descriptors."""
         cfg = self.cfg
+        sf_loads = None
+        if cutlass.const_expr(scales is not None):
+            sf_loads = self.scale_load_partitions(
+                scales, smem_scales, thr_mma, a_cta_layout, a_mcast_mask, mma_tile_coord_v,
+                cta_rank_in_cluster, block_in_cluster_coord_vmnk,
+            )
         last_expert = Int32(-1)
         unit_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, UNIT_STAGES)
         expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
@@ -594,6 +643,9 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             if expert != last_expert:
                 acquire_descriptor(ws, expert, DESC_A)
                 acquire_descriptor(ws, expert, DESC_B)
+                if cutlass.const_expr(scales is not None):
+                    acquire_descriptor(ws, expert, cfg.desc_sfa)
+                    acquire_descriptor(ws, expert, cfg.desc_sfb)
             last_expert = expert
             desc_a = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_A))
             desc_b = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_B))
@@ -631,6 +683,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                     tma_atom_b, tBgB_slice[(None, handle.count)], tBsB[(None, handle.index)],
                     tma_bar_ptr=handle.barrier, tma_desc_ptr=desc_b, mcast_mask=b_mcast_mask,
                 )
+                if cutlass.const_expr(scales is not None):
+                    self.load_scales(sf_loads, ws, expert, mma_m, unit_n, handle)
                 peek = cutlass.Boolean(1)
                 if handle.count + 1 < k_tiles:
                     peek = ab_producer.try_acquire()
@@ -643,10 +697,10 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
     @cute.jit
     def mma(
         self, tiled_mma, tCrA, tCrB, tCtAcc_fake, tmem, ab_consumer, acc_pipeline,
-        unit_pipeline, unit_slots, is_leader_cta,
+        unit_pipeline, unit_slots, is_leader_cta, ws, smem_scales,
     ):
         """MMA warp: tcgen05.mma of each unit into the next TMEM accumulator stage (the
-        leader CTA of a pair issues it)."""
+        leader CTA of a pair issues it). (`ws`, `smem_scales`: the block-scaled kernel's.)"""
         tmem.wait_for_alloc()
         tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
         tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
@@ -690,10 +744,12 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         self, tma_atom_c, mC_coord, sC, thr_mma, tmem, tCtAcc_fake, acc_pipeline,
         unit_pipeline, unit_slots, ws, wgrad_ptrs, tidx, warp_idx, epi_tile,
         use_2cta_instrs: cutlass.Constexpr, cta_m_in_cluster, atom_thr: cutlass.Constexpr,
+        scales,
     ):
         """Epilogue warps: the first allocates TMEM; each unit's accumulator goes TMEM ->
-        registers -> output dtype -> shared memory -> TMA store (store_tile); TMEM is freed
-        at the end."""
+        registers -> (times the expert's global-scale product alpha, block-scaled kernels
+        with global scales) -> output dtype -> shared memory -> TMA store (store_tile); TMEM
+        is freed at the end."""
         cfg = self.cfg
         tmem.allocate(self.num_tmem_alloc_cols)
         tmem.wait_for_alloc()
@@ -740,13 +796,16 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                 store = store and output_ptr_ok(wgrad_ptrs, expert)
             if k_tiles > 0:
                 acc_pipeline.consumer_wait(acc_state)
+            alpha = None
+            if cutlass.const_expr(scales is not None):
+                alpha = self.unit_alpha(scales, expert)
             if store:
                 if cutlass.const_expr(cfg.output_mode == "dense"):
                     bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, expert)]
                     self.store_tile(
                         tTR_tAcc_base, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc,
                         tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, None,
-                        c_pipeline, epi_bar, warp_idx, n_done,
+                        c_pipeline, epi_bar, warp_idx, n_done, alpha,
                     )
                 else:
                     bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, 0)]
@@ -756,7 +815,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                     self.store_tile(
                         tTR_tAcc_base, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc,
                         tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, desc_c,
-                        c_pipeline, epi_bar, warp_idx, n_done,
+                        c_pipeline, epi_bar, warp_idx, n_done, alpha,
                     )
                 n_done += 1
             if k_tiles > 0:
@@ -798,9 +857,11 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
     def store_tile(
         self, tTR_tAcc_base, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc, tiled_copy_r2s,
         tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, desc_c, c_pipeline, epi_bar, warp_idx, n_done,
+        alpha,
     ):
-        """TMEM -> registers -> output dtype -> shared memory -> TMA store, sub-tile by sub-tile
-        (the store itself: store_subtile, issued by the first epilogue warp)."""
+        """TMEM -> registers (times `alpha` unless None) -> output dtype -> shared memory ->
+        TMA store, sub-tile by sub-tile (the store itself: store_subtile, issued by the first
+        epilogue warp)."""
         tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_state.index)]
         tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
         bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
@@ -811,6 +872,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             if k_tiles > 0:
                 cute.copy(tiled_copy_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
                 acc_vec = tiled_copy_r2s.retile(tTR_rAcc).load()
+                if cutlass.const_expr(alpha is not None):
+                    acc_vec = acc_vec * alpha
             tRS_rC.store(acc_vec.to(self.c_dtype))
             buf = (first + sub) % self.epi_stage
             cute.copy(tiled_copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])

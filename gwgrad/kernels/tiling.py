@@ -30,6 +30,7 @@ SM90_FP8_TILES = {
 }
 SM90_CLUSTERS = ((1, 1),)
 SM100_CLUSTERS = ((1, 1), (2, 1), (4, 1))
+SM100_BLOCKSCALED_TILES = ((128, 128), (128, 256), (256, 128), (256, 256))
 
 
 def sm90_problem(mma_tiler_mn: Pair, cluster_shape_mn: Pair) -> Optional[Tuple[str, str]]:
@@ -69,6 +70,17 @@ def sm100_problem(mma_tiler_mn: Pair, cluster_shape_mn: Pair) -> Optional[Tuple[
         return "cluster_shape_mn", ("expected an even cluster M for a 256-row tile (a 2-CTA "
                                     f"MMA), got {tuple(cluster_shape_mn)}")
     return None
+
+
+def sm100_blockscaled_problem(mma_tiler_mn: Pair,
+                              cluster_shape_mn: Pair) -> Optional[Tuple[str, str]]:
+    """(argument, detail) of the first reason the SM100 block-scaled kernel cannot run this
+    tiling: the contract's tiles ({128, 256} x {128, 256}: one scale-factor atom column per
+    128 rows and columns) on the BF16 kernel's clusters."""
+    if tuple(mma_tiler_mn) not in SM100_BLOCKSCALED_TILES:
+        return "mma_tiler_mn", (f"expected one of {list(SM100_BLOCKSCALED_TILES)} for "
+                                f"block-scaled inputs on SM100, got {tuple(mma_tiler_mn)}")
+    return sm100_problem(mma_tiler_mn, cluster_shape_mn)
 
 
 def sm100_cta_tile_m(mma_tiler_mn: Pair) -> int:

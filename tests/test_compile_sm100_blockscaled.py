@@ -1,0 +1,156 @@
+"""The SM100 block-scaled kernel (kernels/sm100_blockscaled.py) compiles for sm_100a and sm_103a
+without a GPU for every format (MXFP8, NVFP4, MXFP4) in every mode of the contract on the default
+tile, and in every tile x cluster its predicate accepts; its PTX holds what the kernel is built
+on: the block-scaled tcgen05.mma of the format (kind::mxf8f6f4 for FP8, kind::mxf4nvf4 for FP4;
+block32 / block16 scale vectors), the scale factors' tcgen05.cp, the 2-CTA MMA exactly for
+256-row tiles, the whole 512-column TMEM allocation, the TMA reduce-add exactly when
+accumulating, the BF16 kernel's CLC schedule and unit hand-off, and the device-side offsets
+check. Rejected combinations raise a ValueError naming the argument before anything compiles.
+
+Modes are checked on the default tile and tilings on the default mode: the kernel's mode
+branches (majors, input order, output mode, dtype, accumulate) and its tiling are independent
+compile-time choices of the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from gwgrad.dtypes import DType  # noqa: E402
+from kernel_compile import check_offsets_check_ptx, compile_ptx, spec  # noqa: E402
+from test_compile_sm100 import check_schedule_counts, multicast_loads  # noqa: E402
+
+ARCHS = ["sm_100a", "sm_103a"]
+E4M3, E5M2, FP4 = DType.FLOAT8_E4M3FN, DType.FLOAT8_E5M2, DType.FLOAT4_E2M1FN_X2
+E8M0 = DType.FLOAT8_E8M0FNU
+#: format -> (A dtype, B dtype, scale dtype, sf_vec_size, global scales, MMA kind, scale vector)
+FORMATS = {
+    "mxfp8": (E4M3, E4M3, E8M0, 32, False, "mxf8f6f4", "block32"),
+    "mxfp8_e5m2": (E5M2, E5M2, E8M0, 32, True, "mxf8f6f4", "block32"),  # + global scales
+    "nvfp4": (FP4, FP4, E4M3, 16, True, "mxf4nvf4", "block16"),
+    "mxfp4": (FP4, FP4, E8M0, 32, False, "mxf4nvf4", "block32"),
+}
+MAJORS = [("m", "n"), ("k", "n"), ("m", "k"), ("k", "k")]
+OTHER = list(itertools.product(["tensor2d", "tensor_ragged"], ["dense", "discrete"],
+                               ["bfloat16", "float16", "float32"], [False, True]))
+# FP8 in every major; FP4 K-major only (packed pairs along the token axis).
+MODES = ([("mxfp8", majors, *rest) for majors in MAJORS for rest in OTHER]
+         + [(fmt, ("k", "k"), *rest) for fmt in ("nvfp4", "mxfp4") for rest in OTHER]
+         + [(fmt, ("k", "k"), "tensor2d", "dense", "bfloat16", False)
+            for fmt in ("mxfp8_e5m2",)])
+TILINGS = [(tile, cluster) for tile in ((128, 128), (128, 256), (256, 128), (256, 256))
+           for cluster in ((1, 1), (2, 1), (4, 1)) if tile[0] == 128 or cluster[0] % 2 == 0]
+
+
+def bs_spec(arch, fmt, **kw):
+    a, b, sf, vec, gs, _, _ = FORMATS[fmt]
+    kw.setdefault("a_major", "k")
+    kw.setdefault("b_major", "k")
+    return dataclasses.replace(spec(arch, **kw), a_dtype=a, b_dtype=b, sf_dtype=sf,
+                               sf_vec_size=vec, scale_recipe="blocked", has_global_scale=gs)
+
+
+def gemm_body(ptx: str) -> str:
+    return [c for c in ptx.split(".entry ")[1:] if "tcgen05.mma" in c][0]
+
+
+def check_blockscaled_ptx(ptx: str, fmt: str, accumulate: bool, two_cta: bool) -> None:
+    kind, vec = FORMATS[fmt][5:]
+    check_offsets_check_ptx(ptx, before_verdict=("barrier.cluster", "mbarrier.init",
+                                                 "tcgen05.alloc", "clusterlaunchcontrol"))
+    body = gemm_body(ptx)
+    mmas = re.findall(r"tcgen05\.mma\.[^\s]+", body)
+    # one MMA per K step of a block (4), each block-scaled with the format's kind and vector
+    assert len(mmas) == 4, mmas
+    group = "cta_group::2" if two_cta else "cta_group::1"
+    for mma in mmas:
+        assert mma.startswith(f"tcgen05.mma.{group}.kind::{kind}.block_scale.{vec}"), mma
+    # scale factors staged smem -> TMEM, with the MMA's CTA group
+    copies = re.findall(r"tcgen05\.cp\.[^\s]+", body)
+    assert copies and all(c.startswith(f"tcgen05.cp.{group}") for c in copies), copies
+    # the whole tensor memory: accumulators + one K block's scale factors
+    alloc = re.search(r"tcgen05\.alloc\.(cta_group::\d)[^\[]*\[[^\]]+\],\s*(%r\d+|\d+);", body)
+    assert alloc and alloc.group(1) == group, alloc
+    cols = alloc.group(2)
+    if cols.startswith("%r"):
+        cols = re.search(re.escape(cols) + r",\s*(\d+);", body).group(1)
+    assert int(cols) == 512
+    assert "tcgen05.ld" in body and "tcgen05.wait::ld" in body
+    # per-expert descriptors (A, B, SFA, SFB) acquired before use
+    assert "fence.proxy.tensormap::generic.acquire" in body and "prefetch.tensormap" in body
+    assert "clusterlaunchcontrol.try_cancel" in body
+    if accumulate:
+        assert "cp.reduce.async.bulk.tensor" in body and ".add." in body
+    else:
+        assert "cp.reduce.async.bulk" not in body
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fmt,majors,order,mode,out,acc", MODES,
+                         ids=lambda v: v if isinstance(v, str) else str(v))
+def test_every_mode_compiles(fmt, majors, order, mode, out, acc, arch):
+    s = bs_spec(arch, fmt, a_major=majors[0], b_major=majors[1], order=order, mode=mode,
+                out=out, acc=acc)
+    ptx = compile_ptx(s)
+    check_blockscaled_ptx(ptx, fmt, acc, two_cta=True)  # default: 256 x 256 on (2, 1)
+    check_schedule_counts(ptx, 2)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("tile,cluster", TILINGS, ids=lambda v: "x".join(map(str, v)))
+def test_every_tiling_compiles(tile, cluster, fmt, arch):
+    acc = tile[1] == 128
+    ptx = compile_ptx(bs_spec(arch, fmt, tile=tile, cluster=cluster, acc=acc))
+    check_blockscaled_ptx(ptx, fmt, acc, two_cta=tile[0] == 256)
+    # multicast TMA loads exactly when the cluster has several CTAs along M: they share the
+    # n-tile's SFB (SFB's MMA is a 1-CTA one, as in the CuTe DSL example), and B too when
+    # several MMAs of the cluster share it
+    assert bool(multicast_loads(ptx)) == (cluster[0] > 1), (tile, cluster)
+    check_schedule_counts(ptx, cluster[0] * cluster[1])
+
+
+def test_workspace_holds_scale_descriptors():
+    """Four descriptor slots per expert (A, B, SFA, SFB), five with discrete outputs."""
+    from gwgrad.backends import finalize_spec
+
+    for mode, slots in (("dense", 4), ("discrete", 5)):
+        s, backend = finalize_spec(bs_spec("sm_100a", "nvfp4", mode=mode))
+        cfg = backend.config(s)
+        assert cfg.desc_slots == slots and cfg.sf_descriptors
+        assert (cfg.desc_sfa, cfg.desc_sfb) == (slots - 2, slots - 1)
+        assert backend.workspace_bytes(s) == cfg.desc_offset + s.num_experts * slots * 128
+        assert cfg.tile_k == 256 and cfg.count_multiple == 64
+    s, backend = finalize_spec(bs_spec("sm_100a", "mxfp8"))
+    assert backend.config(s).tile_k == 128 and backend.config(s).count_multiple == 32
+
+
+@pytest.mark.parametrize("fmt,change,match", [
+    ("nvfp4", dict(a_major="m"), "^a_tensor: .*K-major"),
+    ("mxfp4", dict(b_major="n"), "^b_tensor: .*K-major"),
+    ("mxfp8", dict(tile=(128, 192), cluster=(1, 1)), "^mma_tiler_mn: "),
+    ("mxfp8", dict(tile=(128, 64), cluster=(1, 1)), "^mma_tiler_mn: "),
+    ("nvfp4", dict(tile=(256, 128), cluster=(1, 1)), "^cluster_shape_mn: "),
+    ("mxfp4", dict(tile=(128, 128), cluster=(1, 2)), "^cluster_shape_mn: "),
+])
+def test_rejected_before_compiling(fmt, change, match):
+    from gwgrad.backends import _cutedsl, finalize_spec
+
+    before = _cutedsl.compile_count
+    with pytest.raises(ValueError, match=match):
+        finalize_spec(bs_spec("sm_100a", fmt, **change))
+    assert _cutedsl.compile_count == before
+
+
+def test_mixed_fp4_and_fp8_is_rejected_naming_b_tensor():
+    from gwgrad.backends import finalize_spec
+
+    s = dataclasses.replace(bs_spec("sm_100a", "mxfp4"), b_dtype=E4M3)
+    with pytest.raises(ValueError, match="^b_tensor: "):
+        finalize_spec(s)

@@ -103,14 +103,32 @@ def _spec(x_shape, x_dtype, dy_shape, dy_dtype, off_shape, off_dtype, out_dtype,
 
 # --- the primitive --------------------------------------------------------------------------
 
+def _result_aval(shape, dtype, operands):
+    """A primitive's result type. Inside shard_map it varies over every manual axis an operand
+    varies over (else a custom VJP's cotangent type, jax.grad through shard_map, fails). JAX
+    spells that ``manual_axis_type`` (0.10 and later), ``vma`` (0.6 to 0.9), or not at all."""
+    typed = [v for v in operands if hasattr(v, "manual_axis_type")]
+    if typed:
+        varying = frozenset().union(*(v.manual_axis_type.varying for v in typed))
+        if not varying:
+            return jax.core.ShapedArray(shape, dtype)
+        # A varying type needs the (manual) mesh it refers to: the operands', unpartitioned.
+        mesh = next(v.sharding.mesh for v in typed if v.manual_axis_type.varying)
+        sharding = jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(*([None] * len(shape))))
+        return jax.core.ShapedArray(shape, dtype, sharding=sharding,
+                                    manual_axis_type=type(typed[0].manual_axis_type)(
+                                        varying=varying))
+    vma = frozenset().union(*(getattr(v, "vma", frozenset()) for v in operands))
+    try:
+        return jax.core.ShapedArray(shape, dtype, vma=vma)
+    except TypeError:  # a JAX without varying-manual-axes types
+        return jax.core.ShapedArray(shape, dtype)
+
+
 def _abstract_eval(x, dy, offsets, *out, out_dtype, accumulate):
     shape = experts_hidden_intermediate(x.shape, dy.shape, offsets.shape)
-    # Inside shard_map, the result varies over the manual axes any operand varies over.
-    vma = frozenset().union(*(getattr(v, "vma", frozenset()) for v in (x, dy, offsets, *out)))
-    try:
-        return jax.core.ShapedArray(shape, out_dtype, vma=vma)
-    except TypeError:  # a JAX without varying-manual-axes types
-        return jax.core.ShapedArray(shape, out_dtype)
+    return _result_aval(shape, out_dtype, (x, dy, offsets, *out))
 
 
 _wgrad_p.def_abstract_eval(_abstract_eval)
@@ -392,12 +410,7 @@ def _fp8_spec(xt, dyt, offsets, x_scale, dy_scale, x_global_scale, dy_global_sca
 def _fp8_abstract_eval(xt, dyt, offsets, x_scale, dy_scale, gx, gdy, *out, scale_recipe,
                        out_dtype, accumulate):
     shape = _fp8_dims(xt.shape, dyt.shape, offsets.shape)
-    operands = (xt, dyt, offsets, x_scale, dy_scale, gx, gdy, *out)
-    vma = frozenset().union(*(getattr(v, "vma", frozenset()) for v in operands))
-    try:
-        return jax.core.ShapedArray(shape, out_dtype, vma=vma)
-    except TypeError:  # a JAX without varying-manual-axes types
-        return jax.core.ShapedArray(shape, out_dtype)
+    return _result_aval(shape, out_dtype, (xt, dyt, offsets, x_scale, dy_scale, gx, gdy, *out))
 
 
 _wgrad_fp8_p.def_abstract_eval(_fp8_abstract_eval)
@@ -668,14 +681,7 @@ def _quantize_outputs(lay):
 
 def _quantize_abstract_eval(x, offsets, *, fmt, elem):
     lay = _quantize_layout(_signature(x), _signature(offsets), fmt, elem)
-    vma = frozenset().union(*(getattr(v, "vma", frozenset()) for v in (x, offsets)))
-    avals = []
-    for shape, dtype in _quantize_outputs(lay):
-        try:
-            avals.append(jax.core.ShapedArray(shape, dtype, vma=vma))
-        except TypeError:  # a JAX without varying-manual-axes types
-            avals.append(jax.core.ShapedArray(shape, dtype))
-    return avals
+    return [_result_aval(shape, dtype, (x, offsets)) for shape, dtype in _quantize_outputs(lay)]
 
 
 _quantize_p.def_abstract_eval(_quantize_abstract_eval)

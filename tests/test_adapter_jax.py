@@ -227,6 +227,47 @@ def test_shard_map_over_two_cpu_devices():
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
 
 
+
+def test_grad_through_shard_map_types_dw_as_varying():
+    """jax.grad of grouped_linear inside shard_map: the custom VJP's dW must vary over the
+    mesh axis like w (a result typed as replicated fails JAX's cotangent type check)."""
+    code = textwrap.dedent("""
+        import os
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+        import numpy as np, jax, jax.numpy as jnp
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        import gwgrad.adapters.jax as gwj
+        mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("ep",))
+        rng = np.random.default_rng(int(os.environ["GWGRAD_CHILD_SEED"]))
+        tokens, hidden, inter, experts = 64, 16, 24, 3  # per device: its local experts
+        x = jnp.asarray(rng.standard_normal((2 * tokens, hidden)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((2 * experts, hidden, inter)), jnp.bfloat16)
+        offsets = np.array([10, 30, 64, 0, 40, 64], np.int32)
+        put = lambda a: jax.device_put(a, NamedSharding(mesh, P("ep")))
+
+        def loss(x, w, o):
+            return jnp.sum(gwj.grouped_linear(x, w, o).astype(jnp.float32) ** 2)
+
+        grad = jax.jit(jax.shard_map(jax.grad(loss, argnums=1), mesh=mesh,
+                                     in_specs=(P("ep"), P("ep"), P("ep")), out_specs=P("ep"),
+                                     check_vma=True))
+        dw = np.asarray(grad(put(x), put(w), put(jnp.asarray(offsets))).astype(jnp.float32))
+        for d in range(2):
+            b = [0] + list(offsets[d * experts:(d + 1) * experts])
+            xd = np.asarray(x[d * tokens:(d + 1) * tokens].astype(jnp.float32), np.float64)
+            for i, (s, e) in enumerate(zip(b, b[1:])):
+                we = np.asarray(w[d * experts + i].astype(jnp.float32), np.float64)
+                y = np.asarray(jnp.asarray(xd[s:e] @ we, jnp.bfloat16).astype(jnp.float32))
+                want = xd[s:e].T @ (2 * y)
+                got = dw[d * experts + i]
+                assert np.abs(got - want).max() <= 2e-2 * (np.abs(want).max() + 1), (d, i)
+        print("ok")
+    """)
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+
 # --- wgrad_fp8 -------------------------------------------------------------------------------
 
 FP8_HIDDEN, FP8_INTER = 32, 48

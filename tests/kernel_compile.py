@@ -79,16 +79,19 @@ def kernel_bodies(ptx: str):
 
 def check_offsets_check_ptx(ptx: str, before_verdict=()) -> None:
     """Prep: the verdict (workspace byte 4) is stored, the status record is claimed with a
-    system-scope compare-and-swap and published behind system-scope fences. GEMM: its first
+    GPU-scope compare-and-swap and published behind system-scope fences. GEMM: its first
     global load is the verdict, none of ``before_verdict`` comes before it, and a branch on it
     skips the whole kernel."""
     import re
 
     prep, gemm = kernel_bodies(ptx)
     assert re.search(r"st\.global\.b32\s+\[%rd\d+\+4\]", prep)  # the verdict
-    assert re.search(r"atom\.global\.sys\.cas\.b32", prep)  # sticky claim of the record
+    # sticky claim of the record: GPU scope (mapped host memory has no system-scope atomics
+    # over PCIe)
+    assert re.search(r"atom\.global(\.gpu)?\.cas\.b32", prep)
+    assert "atom.global.sys" not in prep
     assert re.search(r"fence\.(acq_rel|sc)\.sys|membar\.sys", prep)  # host-visible fields
-    assert "atom.global.sys.cas" not in gemm
+    assert not re.search(r"atom\.global[\w.]*\.cas", gemm)  # the record is the prep's
     loads = re.findall(r"ld\.global[\w.]*\s+[^;]+;", gemm)
     assert loads and re.search(r"\[%rd\d+\+4\]", loads[0]), loads[:1]
     before, after = gemm.split(loads[0], 1)

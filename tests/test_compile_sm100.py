@@ -4,7 +4,7 @@ instructions it is built on: tcgen05 MMA and TMEM allocation, TMA loads, the TMA
 reduce-add, cluster launch control for the dynamic schedule with only the scheduler warps
 reading its responses (mbarrier counts), multicast TMA loads exactly where the cluster shares B, descriptor prefetches and the TMEM-load wait before an accumulator
 stage is released; and the device-side offsets
-check: the prep kernel's sticky status record (system-scope CAS + fence) and the GEMM's verdict
+check: the prep kernel's sticky status record (GPU-scope CAS + system-scope fence) and the GEMM's verdict
 read before any cluster barrier, TMEM allocation or CLC query."""
 
 from __future__ import annotations

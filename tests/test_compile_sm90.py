@@ -1,6 +1,6 @@
 """The SM90 BF16 kernel compiles for sm_90a without a GPU, in every mode, and its PTX holds
 the Hopper instructions it is built on, and the device-side offsets check: the prep kernel's
-sticky status record (system-scope CAS + fence) and the GEMM's verdict read before any work."""
+sticky status record (GPU-scope CAS + system-scope fence) and the GEMM's verdict read before any work."""
 
 from __future__ import annotations
 

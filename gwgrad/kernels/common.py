@@ -33,10 +33,11 @@ else the last offset, else the first count that is not a multiple):
     [1] expert  [2] offsets[expert]  [3] prev(expert)  [4] tokens_sum  [5] count_multiple
     [6..7] reserved, 0
 
-The record is sticky: a system-scope compare-and-swap of [0] from 0 to the code elects one
-writer across launches (and devices); only it writes [1..4], [6..7], then, after a
-system-scope fence, [5] (>= 1, so a non-zero [5] tells the host the fields are complete), and
-fences again. The host clears [0] after reporting.
+The record is sticky: a GPU-scope compare-and-swap of [0] from 0 to the code elects one
+writer across a device's launches (system-scope atomics on mapped host memory need host-native
+atomics, which PCIe hosts lack: compute-sanitizer rejects them); only it writes [1..4], [6..7],
+then, after a system-scope fence, [5] (>= 1, so a non-zero [5] tells the host the fields are
+complete), and fences again. The host clears [0] after reporting.
 
 Sanitizing (defense in depth, whatever the verdict): begin/end are clamped to [0, tokens_sum]
 and end >= begin, so no descriptor ever reaches outside A or B whatever `offsets` holds. For
@@ -474,9 +475,14 @@ def check_offsets(
     if lane == 0:
         ws.verdict[0] = Int32(code == 0)
         if code != 0:
-            # Sticky: only the first problem since the host last cleared [0] is recorded.
+            # Sticky: only the first problem since the host last cleared [0] is recorded. The
+            # claim is atomic at GPU scope: the record is mapped host memory, where
+            # system-scope atomics need host-native atomics (hostNativeAtomicSupported; not
+            # over PCIe: compute-sanitizer rejects them there). Launches on one device claim
+            # it one at a time; two devices failing at the same moment could both write it,
+            # and the record may then mix their fields (the error is still reported).
             old = cute.arch.atomic_cas(
-                status.iterator + STATUS_CODE, cmp=Int32(0), val=code, scope="sys"
+                status.iterator + STATUS_CODE, cmp=Int32(0), val=code, scope="gpu"
             )
             if old == 0:
                 status[STATUS_EXPERT] = expert

@@ -63,7 +63,7 @@ and asserts on the PTX):
                    and B)
   descriptors      the acquire fence and prefetch.tensormap of each per-expert descriptor
   stores           cp.reduce.async.bulk.tensor .add exactly when accumulating
-  offsets check    prep kernel: system-scope atom.cas on the status record and system-scope
+  offsets check    prep kernel: GPU-scope atom.cas on the status record and system-scope
                    fences; GEMM: its first global load is the verdict and a branch on it comes
                    before any mbarrier init, cluster barrier, tcgen05.alloc or CLC query
 The pipelines, warp roles and TMEM handshakes follow the two examples named above; where they

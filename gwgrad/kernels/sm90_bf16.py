@@ -38,7 +38,7 @@ Verified on an H200: the GEMM's numbers in every mode (tests/test_sm90_kernel_gp
 tests/test_api_gpu.py, the adapters' GPU tests) and its speed (the benchmarks,
 docs/results/); the offsets check and the skip on invalid offsets (tests/test_status_gpu.py:
 default, graph-captured and validate_offsets=False launches write nothing and raise naming
-offsets_tensor). tests/test_compile_sm90.py also asserts the system-scope CAS and fence in the
+offsets_tensor). tests/test_compile_sm90.py also asserts the GPU-scope CAS and system-scope fence in the
 prep kernel and the verdict load and branch at the start of this kernel.
 """
 

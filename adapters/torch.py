@@ -608,3 +608,236 @@ class GroupedExpertLinear(torch.autograd.Function):
 def grouped_expert_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``GroupedExpertLinear.apply(x, w, offsets)``."""
     return GroupedExpertLinear.apply(x, w, offsets)
+
+
+# --- a grouped linear layer: per-expert parameters, FP32 main grads (issue #13) --------------
+#
+# Megatron-LM / Transformer Engine keep one parameter per expert and, with
+# ``gradient_accumulation_fusion``, let the weight-gradient GEMM add straight into each
+# parameter's FP32 ``main_grad`` buffer: autograd then returns no weight gradient at all
+# (``param.grad`` stays None) and marks ``param.grad_added_to_main_grad = True``. gwgrad's
+# discrete outputs with ``accumulate=True`` are exactly that GEMM: one launch writes every
+# expert's ``main_grad += x_e.T @ dy_e`` in place, through a device array of the buffers'
+# addresses that the torch adapter builds once per set of addresses (pinned memory and a
+# non-blocking copy, cached: no host synchronization, CUDA-graph capturable).
+
+_MAIN_GRAD_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _positive_int(name: str, value, multiple: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value % multiple:
+        rule = "a positive int" + (f", a multiple of {multiple}" if multiple > 1 else "")
+        raise ArgumentError(name, f"expected {rule}, got {value!r}")
+    return value
+
+
+def _check_layer_input(x, offsets, weights: Sequence[torch.Tensor], in_features: int) -> None:
+    """GroupedLinear.forward's arguments and parameters, host-side metadata only (no sync)."""
+    w0 = weights[0]
+    for e, w in enumerate(weights):
+        if w.dtype != torch.bfloat16 or w.shape != w0.shape or w.device != w0.device:
+            raise ArgumentError(f"weight{e}", f"expected a bfloat16 {tuple(w0.shape)} parameter "
+                                              f"on {w0.device} like weight0, got {w.dtype} "
+                                              f"{tuple(w.shape)} on {w.device}")
+    if not isinstance(x, torch.Tensor):
+        raise ArgumentError("x", f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2 or x.shape[1] != in_features or x.dtype != torch.bfloat16:
+        raise ArgumentError("x", f"expected a bfloat16 (tokens, {in_features}) tensor, got "
+                                 f"{x.dtype} of shape {tuple(x.shape)}")
+    if x.device != w0.device:
+        raise ArgumentError("x", f"expected a tensor on {w0.device} (the weights' device), got "
+                                 f"one on {x.device}")
+    if not isinstance(offsets, torch.Tensor):
+        raise ArgumentError("offsets", f"expected a torch.Tensor, got {type(offsets).__name__}")
+    if offsets.dtype != torch.int32 or tuple(offsets.shape) != (len(weights),):
+        raise ArgumentError("offsets", f"expected an int32 ({len(weights)},) tensor (one "
+                                       f"cumulative token count per expert), got "
+                                       f"{offsets.dtype} of shape {tuple(offsets.shape)}")
+    if offsets.device != x.device:
+        raise ArgumentError("offsets", f"expected a tensor on {x.device} like x, got one on "
+                                       f"{offsets.device}")
+
+
+def _main_grads(weights: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Every weight's ``main_grad`` buffer, checked: a contiguous, 16-byte aligned tensor of
+    the weight's shape and device, all float32 (or all bfloat16)."""
+    mains = [getattr(w, "main_grad", None) for w in weights]
+    dtype = getattr(mains[0], "dtype", None)
+    for e, (w, m) in enumerate(zip(weights, mains)):
+        if (not isinstance(m, torch.Tensor) or m.dtype not in _MAIN_GRAD_DTYPES
+                or m.dtype != dtype or m.shape != w.shape or m.device != w.device
+                or not m.is_contiguous() or m.data_ptr() % 16):
+            got = "None" if m is None else (
+                f"{type(m).__name__}" if not isinstance(m, torch.Tensor) else
+                f"{m.dtype} {tuple(m.shape)} on {m.device}"
+                + ("" if m.is_contiguous() else ", not contiguous")
+                + (f", address {m.data_ptr():#x} not 16-byte aligned" if m.data_ptr() % 16
+                   else ""))
+            raise ArgumentError(f"weight{e}.main_grad",
+                                f"expected a contiguous, 16-byte aligned float32 "
+                                f"{tuple(w.shape)} tensor on {w.device} (one dtype for all "
+                                f"experts: float32, or bfloat16), got {got} (allocate it with "
+                                f"GroupedLinear.allocate_main_grad() or assign "
+                                f"torch.zeros_like(weight, dtype=torch.float32))")
+    return mains
+
+
+class GroupedLinearFunction(torch.autograd.Function):
+    """``y[tokens_e] = x[tokens_e] @ weights[e]``; the autograd function of ``GroupedLinear``.
+
+    ``apply(x, offsets, use_main_grad, *weights)``. Forward: the weights stacked once and
+    ``torch._grouped_mm`` (CUDA bfloat16), else a per-expert loop. Backward: the weight
+    gradients by one gwgrad call -- with ``use_main_grad``, accumulated in place into every
+    weight's ``main_grad`` (discrete outputs, ``accumulate=True``), ``None`` returned for the
+    weights and ``grad_added_to_main_grad = True`` set on them; otherwise a new bfloat16
+    (num_experts, in, out) tensor returned as per-expert views -- then ``dx`` by torch
+    (``_grouped_mm(dy, stacked weights transposed)``), when x needs it.
+    """
+
+    @staticmethod
+    def forward(ctx, x, offsets, use_main_grad, *weights):
+        x = x.contiguous()
+        ctx.use_main_grad = bool(use_main_grad)
+        ctx.weights = weights  # the Parameter objects: their main_grad attributes (leaves: no cycle)
+        ctx.save_for_backward(x, offsets, *weights)
+        return _grouped_mm(x, torch.stack(weights), offsets)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, offsets, *weights = ctx.saved_tensors
+        dy = dy.contiguous()  # autograd may hand over an expanded or strided gradient
+        need_w = ctx.needs_input_grad[3:]
+        grads: List[Optional[torch.Tensor]] = [None] * len(weights)
+        if any(need_w):
+            if ctx.use_main_grad:
+                params = ctx.weights
+                mains = _main_grads(params)
+                if all(need_w):
+                    # One launch: main_grad[e] += x_e.T @ dy_e for every expert, in place.
+                    wgrad(x, dy, offsets, out=mains, accumulate=True)
+                else:  # some experts frozen: only the others' main grads change
+                    dw = wgrad(x, dy, offsets, out_dtype=torch.float32)
+                    for e, need in enumerate(need_w):
+                        if need:
+                            mains[e].add_(dw[e])
+                for p, need in zip(params, need_w):
+                    if need:
+                        p.grad_added_to_main_grad = True
+            else:
+                dw = wgrad(x, dy, offsets, out_dtype=weights[0].dtype)
+                grads = [g if need else None for g, need in zip(dw.unbind(0), need_w)]
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = _grouped_mm(dy, torch.stack(weights).transpose(1, 2), offsets)
+        return (dx, None, None, *grads)
+
+
+class GroupedLinear(torch.nn.Module):
+    """Grouped expert linear layer: ``y[tokens_e] = x[tokens_e] @ weight{e}`` for every expert
+    e, with one ``nn.Parameter`` per expert and, by default, FP32 main gradients.
+
+        layer = GroupedLinear(num_experts, in_features, out_features, device="cuda")
+        y = layer(x, offsets)          # x (tokens, in_features) bfloat16, grouped by expert
+        y.backward(dy)                 # weight{e}.main_grad += x_e.T @ dy_e (one gwgrad call)
+
+    ``offsets``: int32 (num_experts,), the cumulative token counts (``end_e = offsets[e]``,
+    ``begin_e = offsets[e-1]``, 0 for e = 0; the last entry equals ``x.shape[0]``); read on
+    the device only. Parameters ``weight0 .. weight{E-1}``, each bfloat16
+    ``(in_features, out_features)`` so that ``dW_e = x_e.T @ dy_e`` is gwgrad's output
+    layout; in_features and out_features are multiples of 8.
+
+    **Main gradients** (``main_grad=True``, the Megatron-LM / Transformer Engine convention of
+    ``gradient_accumulation_fusion``): every weight carries a ``main_grad`` attribute, a
+    contiguous float32 tensor of the weight's shape on its device (16-byte aligned; all
+    experts one dtype: float32, or bfloat16). The layer allocates zeroed ones at construction
+    (``allocate_main_grad()``); a caller may assign its own instead -- e.g. views into one
+    flat gradient buffer, as Megatron's DDP does: ``param.main_grad =
+    flat[start:start + n].view(in_features, out_features)``. The backward adds every expert's
+    gradient straight into those buffers (one gwgrad launch, discrete outputs with
+    ``accumulate=True``: no temporary of the weight-gradient size, no copy), returns None
+    for the weights -- so **``param.grad`` stays None** and autograd's gradient hooks on the
+    weights do not fire -- and sets ``param.grad_added_to_main_grad = True``. Zero the
+    buffers between optimizer steps with ``zero_main_grad()`` (in place: the addresses, and
+    so the cached pointer array and captured CUDA graphs, stay valid). Experts without
+    tokens leave their main grad unchanged. With ``main_grad=False`` the weights get
+    ordinary bfloat16 ``.grad``s: one gwgrad call into a new (num_experts, in, out) tensor,
+    handed to autograd as per-expert views.
+
+    **No host synchronization** in forward or backward (metadata checks only; the offsets
+    stay on the device), so a training step can be captured in a CUDA graph: run one eager
+    step first (it compiles the kernel and caches the main grads' pointer array), capture
+    with ``torch.cuda.graph``, and before each replay copy new values into the captured
+    offsets tensor. Replays accumulate into the same main grads; ``grad_added_to_main_grad``
+    is set when the backward is captured, not per replay. With
+    ``torch.cuda.make_graphed_callables`` pass ``allow_unused_input=True`` (the weights get
+    no gradient) and zero the main grads after it: its warm-up steps run the backward.
+    Needs ``torch._grouped_mm`` (PyTorch >= 2.8, SM90+) for the forward and ``dx`` on CUDA;
+    without it a per-expert loop runs, which reads the offsets on the host (syncs, not
+    capturable). CPU tensors run gwgrad's reference (and the loop).
+    """
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, *,
+                 dtype: torch.dtype = torch.bfloat16, device=None, main_grad: bool = True):
+        super().__init__()
+        _positive_int("num_experts", num_experts)
+        _positive_int("in_features", in_features, 8)
+        _positive_int("out_features", out_features, 8)
+        if dtype != torch.bfloat16:
+            raise ArgumentError("dtype", f"expected torch.bfloat16 (gwgrad's BF16 kernels), got "
+                                         f"{dtype}")
+        if not isinstance(main_grad, bool):
+            raise ArgumentError("main_grad", f"expected True or False, got {main_grad!r}")
+        self.num_experts = num_experts
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_main_grad = main_grad
+        for e in range(num_experts):
+            self.register_parameter(f"weight{e}", torch.nn.Parameter(
+                torch.empty(in_features, out_features, dtype=dtype, device=device)))
+        self.reset_parameters()
+        if main_grad:
+            self.allocate_main_grad()
+
+    @property
+    def weights(self) -> List[torch.nn.Parameter]:
+        """``[weight0, ..., weight{E-1}]``."""
+        return [getattr(self, f"weight{e}") for e in range(self.num_experts)]
+
+    def reset_parameters(self) -> None:
+        """Uniform in ``+-1/sqrt(in_features)`` (``nn.Linear``'s default bound)."""
+        bound = self.in_features ** -0.5
+        with torch.no_grad():
+            for w in self.weights:
+                w.uniform_(-bound, bound)
+
+    def allocate_main_grad(self, dtype: torch.dtype = torch.float32) -> None:
+        """Give every weight a new zeroed ``main_grad`` of ``dtype`` on its device (after
+        moving the module to another device, call this again)."""
+        if dtype not in _MAIN_GRAD_DTYPES:
+            raise ArgumentError("dtype", f"expected torch.float32 or torch.bfloat16, got {dtype}")
+        for w in self.weights:
+            w.main_grad = torch.zeros(w.shape, dtype=dtype, device=w.device)
+            w.grad_added_to_main_grad = False
+
+    def zero_main_grad(self) -> None:
+        """Zero every ``main_grad`` in place and reset ``grad_added_to_main_grad``."""
+        for w in self.weights:
+            main = getattr(w, "main_grad", None)
+            if main is not None:
+                main.zero_()
+            w.grad_added_to_main_grad = False
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        weights = self.weights
+        _check_layer_input(x, offsets, weights, self.in_features)
+        if self.use_main_grad and torch.is_grad_enabled() and any(w.requires_grad
+                                                                   for w in weights):
+            _main_grads(weights)  # a missing or wrong buffer fails here, not in backward
+        return GroupedLinearFunction.apply(x, offsets, self.use_main_grad, *weights)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, main_grad={self.use_main_grad}")
+
+
+__all__ += ["GroupedLinear", "GroupedLinearFunction"]

@@ -9,7 +9,9 @@
 #   default steps, in this order: tests overhead coldstart bench
 #   also: examples, unrounded (bench with counts not rounded to 256), adapters (kernel time
 #   per adapter), fp8 (bench/fp8.py: the FP8 recipes), qtests (the quantizers' GPU tests),
-#   qbench (bench/quantize.py); these are not in the default run's budget.
+#   qbench (bench/quantize.py), fuzz (tests/test_fuzz_gpu.py), sanitize (scripts/sanitize.py),
+#   soak (scripts/soak.py), reliability (the main-grad layer, short soak and two-GPU tests);
+#   these are not in the default run's budget.
 #
 # Files under $OUT (default /tmp/gwgrad-out; at most 6, one folder): run.log (every step's
 # full output), overhead.json, coldstart.json, bench.json, bench.png, isolated.json
@@ -126,7 +128,34 @@ for s in $steps; do
         --time-budget $((T > 90 ? T - 60 : T / 2)) --json "$OUT/bench_quantize.json"
       tail -40 "$OUT/step.txt"
       done_step qbench $rc ;;
-    *) say "unknown step: $s (steps: overhead coldstart bench tests examples unrounded adapters fp8 qtests qbench)" ;;
+    fuzz)
+      # tests/test_fuzz_gpu.py: >= 500 random cases against FP64, guard memory, seeds logged.
+      step fuzz 330 || continue
+      GWGRAD_FUZZ_LOG="$OUT/fuzz.json" capture "$PY" -m pytest -q -s -p no:cacheprovider \
+        tests/test_fuzz_gpu.py
+      grep -E "^fuzz:|passed|failed|error" "$OUT/step.txt" | tail -8
+      done_step fuzz $rc ;;
+    sanitize)
+      # scripts/sanitize.py: compute-sanitizer memcheck / racecheck / synccheck over the kernels.
+      step sanitize 330 || continue
+      capture "$PY" scripts/sanitize.py --json "$OUT/sanitize.json" ${GWGRAD_SANITIZE_ARGS-}
+      tail -20 "$OUT/step.txt"
+      done_step sanitize $rc ;;
+    soak)
+      # scripts/soak.py: mixed calls over threads and streams, memory, compiles, graph replays.
+      step soak 240 || continue
+      capture "$PY" scripts/soak.py --json "$OUT/soak.json" ${GWGRAD_SOAK_ARGS-}
+      tail -20 "$OUT/step.txt"
+      done_step soak $rc ;;
+    reliability)
+      # The GPU tests of #13's pieces: the main-grad layer, the short soak, two-GPU expert
+      # parallelism (skips with one GPU).
+      step reliability 300 || continue
+      capture "$PY" -m pytest -q -rs -rP -p no:cacheprovider tests/test_grouped_linear_gpu.py \
+        tests/test_soak.py tests/test_expert_parallel_gpu.py ${GWGRAD_RELIABILITY_EXTRA-}
+      grep -E "PASS|FAIL|passed|failed|error|max relative" "$OUT/step.txt" | tail -30
+      done_step reliability $rc ;;
+    *) say "unknown step: $s (steps: overhead coldstart bench tests examples unrounded adapters fp8 qtests qbench fuzz sanitize soak reliability)" ;;
   esac
 done
 rm -f "$OUT/step.txt" "$OUT"/*.tmp

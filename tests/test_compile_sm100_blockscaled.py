@@ -7,9 +7,10 @@ block32 / block16 scale vectors), the scale factors' tcgen05.cp, the 2-CTA MMA e
 accumulating, the BF16 kernel's CLC schedule and unit hand-off, and the device-side offsets
 check. Rejected combinations raise a ValueError naming the argument before anything compiles.
 
-Modes are checked on the default tile and tilings on the default mode: the kernel's mode
-branches (majors, input order, output mode, dtype, accumulate) and its tiling are independent
-compile-time choices of the same code.
+Modes are checked on the default tile and tilings on the default mode (the kernel's mode
+branches and its tiling are independent compile-time choices of the same code), and a seeded
+sample of 12 points of the whole product each run (the whole product is 2,900 compiles:
+scripts/compile_sm100_blockscaled_product.py runs it).
 """
 
 from __future__ import annotations
@@ -114,6 +115,20 @@ def test_every_tiling_compiles(tile, cluster, fmt, arch):
     # several MMAs of the cluster share it
     assert bool(multicast_loads(ptx)) == (cluster[0] > 1), (tile, cluster)
     check_schedule_counts(ptx, cluster[0] * cluster[1])
+
+
+def test_sampled_mode_x_tiling_product(rng):
+    """A seeded sample of the whole format x mode x tiling x cluster x arch product (the tests
+    above cover its two faces; this draws interior points, different each run, the seed
+    printed on failure)."""
+    product = [(m, t, arch) for m in MODES for t in TILINGS for arch in ARCHS]
+    for i in rng.choice(len(product), size=12, replace=False):
+        (fmt, majors, order, mode, out, acc), (tile, cluster), arch = product[int(i)]
+        s = bs_spec(arch, fmt, a_major=majors[0], b_major=majors[1], order=order, mode=mode,
+                    out=out, acc=acc, tile=tile, cluster=cluster)
+        ptx = compile_ptx(s)
+        check_blockscaled_ptx(ptx, fmt, acc, two_cta=tile[0] == 256)
+        check_schedule_counts(ptx, cluster[0] * cluster[1])
 
 
 def test_workspace_holds_scale_descriptors():

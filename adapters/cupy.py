@@ -47,7 +47,7 @@ from gwgrad.errors import ArgumentError
 from gwgrad import interop
 from gwgrad.interop import address_array, as_tensor_desc, stream_handle
 from gwgrad.interop import numpy as np_interop
-from gwgrad.plan import LaunchPlan, plan_for
+from gwgrad.plan import LaunchPlan, PlanCache, plan_for
 from gwgrad.tensors import TensorDesc, from_pointer
 
 from ._common import (FP8_DOC, FP8_RECIPES, NAMES, QUANTIZE_NAMES, adapter_names,
@@ -116,7 +116,7 @@ def from_bfloat16_bits(bits: Any) -> Any:
 # --- the call -------------------------------------------------------------------------------
 
 # (signature) -> gwgrad.plan.LaunchPlan: a hit needs no validation beyond alignment.
-_plans: dict = {}
+_plans = PlanCache()
 
 
 def _resolve_stream(stream: Any, device) -> int:

@@ -52,7 +52,7 @@ import torch
 from gwgrad.dtypes import DType
 from gwgrad.errors import ArgumentError
 from gwgrad.interop import torch as tinterop
-from gwgrad.plan import LaunchPlan, plan_for
+from gwgrad.plan import LaunchPlan, PlanCache, plan_for
 
 from ._common import (FP8_DOC, FP8_RECIPES, NAMES, QUANTIZE_NAMES, adapter_names,
                       experts_hidden_intermediate)
@@ -68,7 +68,7 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (torch-level signature) -> gwgrad.plan.LaunchPlan. The key holds everything the contract's
 # check reads except addresses (every tensor's device included), so a hit needs no validation
 # beyond the alignment that LaunchPlan.launch checks.
-_plans: dict = {}
+_plans = PlanCache()
 
 
 def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,

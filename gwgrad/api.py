@@ -11,7 +11,7 @@ tensors, finds the plan, allocates a missing output and launches, without synchr
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 from . import backends, interop, plan as plans
 from .dtypes import DType
@@ -121,7 +121,7 @@ class GroupedGemmWgrad:
         self._spec: Optional[StaticSpec] = None
         self._backend = None
         self._operator: Optional[plans.CompiledOperator] = None
-        self._plans: Dict[tuple, LaunchPlan] = {}
+        self._plans = plans.PlanCache()
 
     @property
     def spec(self) -> StaticSpec:

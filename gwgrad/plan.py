@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+from collections import OrderedDict
 from typing import Any, Dict, Optional, Tuple
 
 from . import backends, cuda, interop, offsets as offsets_rules, status
@@ -30,15 +31,56 @@ from .spec import StaticSpec
 from .tensors import TensorDesc
 from .validation import build_spec, check_call, operand_dims, scale_capacity
 
-__all__ = ["CompiledOperator", "LaunchPlan", "compile_spec", "plan_for", "plan_for_spec",
-           "cache_info", "clear_cache"]
+__all__ = ["CompiledOperator", "LaunchPlan", "PlanCache", "compile_spec", "plan_for",
+           "plan_for_spec", "cache_info", "clear_cache"]
+
+class PlanCache:
+    """Plans by call signature, least recently used first out past ``maxsize``.
+
+    Signatures hold shapes, so a workload whose token total changes every step (dropless
+    MoE) makes a new plan per total: unbounded, that would grow for as long as training runs.
+    A hit costs a dict lookup and an ``OrderedDict.move_to_end``; concurrent threads may
+    race on an entry being evicted, which only costs a rebuilt plan."""
+
+    def __init__(self, maxsize: int = 512):
+        self.maxsize = maxsize
+        self._entries: "OrderedDict[tuple, Any]" = OrderedDict()
+
+    def get(self, key):
+        entries = self._entries
+        value = entries.get(key)
+        if value is not None:
+            try:
+                entries.move_to_end(key)
+            except KeyError:  # evicted by another thread meanwhile
+                pass
+        return value
+
+    def __setitem__(self, key, value) -> None:
+        entries = self._entries
+        entries[key] = value
+        while len(entries) > self.maxsize:
+            try:
+                entries.popitem(last=False)
+            except KeyError:  # emptied by another thread
+                break
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key) -> bool:
+        return key in self._entries
+
+    def clear(self) -> None:
+        self._entries.clear()
+
 
 _lock = threading.RLock()
 _compiled: Dict[StaticSpec, "CompiledOperator"] = {}
-_plans: Dict[tuple, "LaunchPlan"] = {}
+_plans = PlanCache()
 #: Plans of the public API's calls, keyed by the arguments' quick signatures
 #: (gwgrad.interop.quick) and the call's static arguments.
-call_plans: Dict[tuple, "LaunchPlan"] = {}
+call_plans = PlanCache()
 _counters = {"constructed": 0, "compiled": 0, "plans": 0}
 
 
@@ -302,7 +344,7 @@ def plan_for(a: TensorDesc, b: TensorDesc, offsets: TensorDesc, *,
 
 def plan_for_spec(operator: CompiledOperator, a: TensorDesc, b: TensorDesc,
                   offsets: TensorDesc, wgrad: Optional[TensorDesc],
-                  wgrad_ptrs: Optional[TensorDesc], cache: Dict[tuple, LaunchPlan],
+                  wgrad_ptrs: Optional[TensorDesc], cache: PlanCache,
                   **scales: Optional[TensorDesc]) -> LaunchPlan:
     """The plan for a call on an operator compiled for a given spec (the contract's class):
     the call is checked against that spec once per signature (``check_call``)."""

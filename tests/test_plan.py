@@ -167,3 +167,40 @@ def test_cpu_plan_runs_the_reference(rng):
     bad[-1] += 1  # the reference checks on the host, always
     with pytest.raises(ValueError, match=r"^offsets_tensor: expected the last offset"):
         plan.launch(a.desc.ptr, b.desc.ptr, bad.ctypes.data, out.ctypes.data)
+
+
+def test_plan_caches_are_bounded_least_recently_used_out():
+    """A token total that changes every call (dropless MoE) makes a new plan each time: the
+    caches keep at most maxsize plans, dropping the least recently used first."""
+    from gwgrad.plan import PlanCache
+
+    cache = PlanCache(maxsize=3)
+    for k in "abc":
+        cache[k] = k.upper()
+    assert cache.get("a") == "A"  # a is now the most recently used
+    cache["d"] = "D"
+    assert len(cache) == 3 and "b" not in cache and cache.get("a") == "A"
+    assert cache.get("missing") is None
+    with pytest.raises(TypeError):
+        cache.get([1])  # unhashable: the callers' full check names the argument
+    cache.clear()
+    assert len(cache) == 0
+
+
+def test_changing_token_totals_keep_the_adapter_caches_bounded(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import gwgrad.adapters.torch as gwt
+    from gwgrad import plan as plans
+
+    monkeypatch.setattr(gwt._plans, "maxsize", 4)
+    monkeypatch.setattr(plans._plans, "maxsize", 4)
+    gen = torch.Generator().manual_seed(0)
+    for tokens in range(8, 8 * 12, 8):
+        x = torch.randn(tokens, 16, generator=gen).bfloat16()
+        dy = torch.randn(tokens, 24, generator=gen).bfloat16()
+        offsets = torch.tensor([tokens // 2, tokens], dtype=torch.int32)
+        w = gwt.wgrad(x, dy, offsets, out_dtype=torch.float32)
+        want = torch.stack([x[:tokens // 2].double().T @ dy[:tokens // 2].double(),
+                            x[tokens // 2:].double().T @ dy[tokens // 2:].double()])
+        torch.testing.assert_close(w.double(), want, rtol=1e-5, atol=1e-5)
+        assert len(gwt._plans) <= 4 and len(plans._plans) <= 4

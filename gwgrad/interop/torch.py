@@ -7,6 +7,7 @@ core both use it, so the torch-specific code lives here once.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import OrderedDict
 from typing import Dict, Sequence
 
@@ -118,6 +119,7 @@ def stacked_pointer_array(stacked: TensorDesc, stream: int) -> TensorDesc:
 _MAX_POINTER_ARRAYS = 256
 # (device index, addresses) -> [device tensor, pinned host copy, kept, stream it was made on]
 _pointer_arrays: "OrderedDict[tuple, list]" = OrderedDict()
+_pointer_arrays_lock = threading.Lock()
 
 
 def pointer_array(outs: Sequence[torch.Tensor], device: torch.device, stream: int) -> torch.Tensor:
@@ -130,19 +132,20 @@ def pointer_array(outs: Sequence[torch.Tensor], device: torch.device, stream: in
     addresses = tuple(o.data_ptr() for o in outs)
     key = (device.index, addresses)
     capturing = torch.cuda.is_current_stream_capturing()
-    entry = _pointer_arrays.get(key)
-    if entry is None:
-        host = torch.tensor(addresses, dtype=torch.int64).pin_memory()
-        entry = [host.to(device, non_blocking=True), host, capturing, stream]
-        _pointer_arrays[key] = entry
-        if len(_pointer_arrays) > _MAX_POINTER_ARRAYS:
-            for old, (_, _, kept, _) in _pointer_arrays.items():
-                if not kept:
-                    del _pointer_arrays[old]
-                    break
-    else:
-        _pointer_arrays.move_to_end(key)
-        entry[2] = entry[2] or capturing
-        if entry[3] != stream and not capturing:  # freed on eviction: not before this use
-            entry[0].record_stream(torch.cuda.ExternalStream(stream, device=device))
+    with _pointer_arrays_lock:  # threads share the cache (eviction iterates over it)
+        entry = _pointer_arrays.get(key)
+        if entry is None:
+            host = torch.tensor(addresses, dtype=torch.int64).pin_memory()
+            entry = [host.to(device, non_blocking=True), host, capturing, stream]
+            _pointer_arrays[key] = entry
+            if len(_pointer_arrays) > _MAX_POINTER_ARRAYS:
+                for old, (_, _, kept, _) in _pointer_arrays.items():
+                    if not kept:
+                        del _pointer_arrays[old]
+                        break
+        else:
+            _pointer_arrays.move_to_end(key)
+            entry[2] = entry[2] or capturing
+            if entry[3] != stream and not capturing:  # freed on eviction: not before this use
+                entry[0].record_stream(torch.cuda.ExternalStream(stream, device=device))
     return entry[0]

@@ -27,6 +27,7 @@ torch = pytest.importorskip("torch")
 
 import gwgrad  # noqa: E402
 import gwgrad.adapters.torch as gwt  # noqa: E402
+from test_grouped_linear import loop_reference  # noqa: E402  (y, dx, dW in float64)
 
 try:
     import pytest_timeout  # noqa: F401
@@ -60,17 +61,6 @@ def make_layer(main_grad=True):
     return layer
 
 
-def loop_reference(x, weights, counts, dy):
-    """y, dx, [dW_e] in float64 by autograd through ``y_e = x_e @ W_e`` (a Python loop)."""
-    x64 = x.detach().double().requires_grad_()
-    w64 = [w.detach().double().requires_grad_() for w in weights]
-    ys, begin = [], 0
-    for e, c in enumerate(counts):
-        ys.append(x64[begin:begin + c] @ w64[e])
-        begin += c
-    y = torch.cat(ys)
-    y.backward(dy.double())
-    return y.detach(), x64.grad, [w.grad for w in w64]
 
 
 def rel_err(got, want):

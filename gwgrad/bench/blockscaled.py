@@ -27,15 +27,13 @@ products of the dequantized inputs on two experts, and gwgrad MXFP8 is compared 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import (DEFAULT_SHAPES, CopyBuffers, KernelRunner, _cumsum, _error, copy_bandwidth,
-               roofline_fraction, select_shapes, time_methods, token_counts)
+from . import (DEFAULT_SHAPES, CopyBuffers, KernelRunner, _cumsum, _error, _write,
+               copy_bandwidth, roofline_fraction, select_shapes, time_methods, token_counts)
 
 #: Counts are rounded to this (so that torch._scaled_grouped_mm and every format accept them).
 COUNT_MULTIPLE = 256
@@ -682,15 +680,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default="bench_blockscaled.json", help="output JSON ('' for none)")
     p.add_argument("--markdown", action="store_true", help="also print a markdown table")
     return p
-
-
-def _write(path: str, payload: Dict) -> None:
-    if not path:
-        return
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1, default=str)
-    os.replace(tmp, path)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -34,7 +34,7 @@ memory, the pipelines, the TMEM allocator and the barriers, then calls one metho
 Hooks for the block-scaled kernel (kernels/sm100_blockscaled.py, which extends this class):
 make_tiled_mma, scale_stage_bytes, setup_scales, tmem_columns on the host; scale_sources /
 kernel_scaled / prep_kernel_scaled at launch; scale_buffers, scale_load_partitions,
-load_scales, mma and unit_alpha in the kernel. With scales None (BF16) none of them runs and
+load_scales, mma_block_state, unit_tokens, mma_block and unit_alpha in the kernel. With scales None (BF16) none of them runs and
 the PTX is the same as before they existed.
 
 Pipelines: ab (TMA -> UMMA, transaction mbarriers), acc (UMMA -> epilogue, TMEM stages), clc
@@ -700,10 +700,12 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         unit_pipeline, unit_slots, is_leader_cta, ws, smem_scales,
     ):
         """MMA warp: tcgen05.mma of each unit into the next TMEM accumulator stage (the
-        leader CTA of a pair issues it). (`ws`, `smem_scales`: the block-scaled kernel's.)"""
+        leader CTA of a pair issues it), one K block at a time (mma_block). (`ws`,
+        `smem_scales`: what the block-scaled kernel's hooks read.)"""
         tmem.wait_for_alloc()
         tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
         tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
+        block_state = self.mma_block_state(tiled_mma, tmem_ptr, tCtAcc_base, smem_scales)
         acc_state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Producer, self.acc_stage
         )
@@ -713,6 +715,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         )
         while expert >= 0:
             if is_leader_cta:
+                tokens = self.unit_tokens(ws, expert)
                 tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
                 ab_consumer.reset()
                 peek = cutlass.Boolean(1)
@@ -721,9 +724,9 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                     acc_pipeline.producer_acquire(acc_state)
                 for k_tile in cutlass.range(0, k_tiles, 1, unroll=1):
                     handle = ab_consumer.wait_and_advance(peek)
-                    tiled_mma.set(tcgen05.Field.ACCUMULATE, k_tile != 0)
-                    crd = (None, None, None, handle.index)
-                    cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
+                    # (rebound: the block sets fields of the MMA, loop-carried state)
+                    tiled_mma = self.mma_block(tiled_mma, tCtAcc, tCrA, tCrB, handle.index,
+                                               k_tile, block_state, tokens)
                     handle.release()
                     peek = cutlass.Boolean(1)
                     if handle.count + 1 < k_tiles:
@@ -738,6 +741,24 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                 unit_pipeline, unit_state, unit_slots
             )
         acc_pipeline.producer_tail(acc_state)
+
+    # MMA hooks (the block-scaled kernel's scale factors); BF16: one gemm per K block.
+    def mma_block_state(self, tiled_mma, tmem_ptr, tCtAcc_base, smem_scales):
+        """What mma_block needs besides the operands, built once per CTA (None for BF16)."""
+        return None
+
+    def unit_tokens(self, ws, expert):
+        """The unit's token count where mma_block needs it (None for BF16)."""
+        return None
+
+    @cute.jit
+    def mma_block(self, tiled_mma, tCtAcc, tCrA, tCrB, stage, k_tile, block_state, tokens):
+        """The MMAs of one K block (shared-memory stage `stage`) into the accumulator;
+        returns the MMA with the fields it set."""
+        tiled_mma.set(tcgen05.Field.ACCUMULATE, k_tile != 0)
+        crd = (None, None, None, stage)
+        cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
+        return tiled_mma
 
     @cute.jit
     def epilogue(

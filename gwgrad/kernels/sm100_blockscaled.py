@@ -54,7 +54,6 @@ from typing import Optional, Tuple
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as blockscaled_utils
 from cutlass import Float32, Int16, Int32, Int64
@@ -68,7 +67,7 @@ from .common import (
     scale_columns,
     tma_desc_ptr_for_copy,
 )
-from .sm100_bf16 import UNIT_STAGES, Sm100GroupedWgrad
+from .sm100_bf16 import Sm100GroupedWgrad
 from .tiling import sm100_blockscaled_problem
 
 TMEM_COLUMNS = 512  # all of an SM's tensor memory: accumulators + one K block's scale factors
@@ -396,17 +395,10 @@ class Sm100BlockScaledGroupedWgrad(ScaledEntryPoints, Sm100GroupedWgrad):
         return tiled_copy, src, thr_copy.partition_D(tSF_compact)
 
     @cute.jit
-    def mma(
-        self, tiled_mma, tCrA, tCrB, tCtAcc_fake, tmem, ab_consumer, acc_pipeline,
-        unit_pipeline, unit_slots, is_leader_cta, ws, smem_scales,
-    ):
-        """MMA warp: per stage, the scale factors smem -> TMEM, then the block-scaled MMAs of
-        the K block's steps that start inside the expert (module doc)."""
-        cfg = self.cfg
+    def mma_block_state(self, tiled_mma, tmem_ptr, tCtAcc_base, smem_scales):
+        """The scale factors' TMEM tensors (after the accumulator columns) and their
+        tcgen05.cp copies from the shared-memory stages."""
         sSFA, sSFB = smem_scales
-        tmem.wait_for_alloc()
-        tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-        tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
         acc_cols = tcgen05.find_tmem_tensor_col_offset(tCtAcc_base)
         tCtSFA = cute.make_tensor(
             cute.recast_ptr(tmem_ptr + acc_cols, dtype=self.sf_dtype),
@@ -425,53 +417,34 @@ class Sm100BlockScaledGroupedWgrad(ScaledEntryPoints, Sm100GroupedWgrad):
         )
         copy_sfa, tCsSFA_s2t, tCtSFA_s2t = self.s2t_copy_and_partition(sSFA, tCtSFA)
         copy_sfb, tCsSFB_s2t, tCtSFB_s2t = self.s2t_copy_and_partition(sSFB, tCtSFB)
+        return (tCtSFA, tCtSFB, copy_sfa, tCsSFA_s2t, tCtSFA_s2t, copy_sfb, tCsSFB_s2t,
+                tCtSFB_s2t)
+
+    @cute.jit
+    def unit_tokens(self, ws, expert):
+        return ws.ranges[2 * expert + 1] - ws.ranges[2 * expert]
+
+    @cute.jit
+    def mma_block(self, tiled_mma, tCtAcc, tCrA, tCrB, stage, k_tile, block_state, tokens):
+        """One K block: its scale factors smem -> TMEM, then the block-scaled MMA of each
+        K step that starts inside the expert (module doc)."""
+        cfg = self.cfg
+        (tCtSFA, tCtSFB, copy_sfa, tCsSFA_s2t, tCtSFA_s2t, copy_sfb, tCsSFB_s2t,
+         tCtSFB_s2t) = block_state
+        s2t_stage = (None, None, None, None, stage)
+        cute.copy(copy_sfa, tCsSFA_s2t[s2t_stage], tCtSFA_s2t)
+        cute.copy(copy_sfb, tCsSFB_s2t[s2t_stage], tCtSFB_s2t)
         num_steps = cute.size(tCrA, mode=[2])
         step_tokens = cfg.tile_k // num_steps
-
-        acc_state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Producer, self.acc_stage
-        )
-        unit_state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Consumer, UNIT_STAGES
-        )
-        expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
-            unit_pipeline, unit_state, unit_slots
-        )
-        while expert >= 0:
-            if is_leader_cta:
-                count = ws.ranges[2 * expert + 1] - ws.ranges[2 * expert]
-                tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
-                ab_consumer.reset()
-                peek = cutlass.Boolean(1)
-                if k_tiles > 0:
-                    peek = ab_consumer.try_wait()
-                    acc_pipeline.producer_acquire(acc_state)
-                for k_tile in cutlass.range(0, k_tiles, 1, unroll=1):
-                    handle = ab_consumer.wait_and_advance(peek)
-                    stage = (None, None, None, None, handle.index)
-                    cute.copy(copy_sfa, tCsSFA_s2t[stage], tCtSFA_s2t)
-                    cute.copy(copy_sfb, tCsSFB_s2t[stage], tCtSFB_s2t)
-                    first = k_tile * cfg.tile_k
-                    for step in cutlass.range_constexpr(num_steps):
-                        if first + step * step_tokens < count:
-                            tiled_mma.set(tcgen05.Field.ACCUMULATE, first + step > 0)
-                            tiled_mma.set(tcgen05.Field.SFA, tCtSFA[(None, None, step)].iterator)
-                            tiled_mma.set(tcgen05.Field.SFB, tCtSFB[(None, None, step)].iterator)
-                            crd = (None, None, step, handle.index)
-                            cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
-                    handle.release()
-                    peek = cutlass.Boolean(1)
-                    if handle.count + 1 < k_tiles:
-                        peek = ab_consumer.try_wait()
-                if k_tiles > 0:
-                    acc_pipeline.producer_commit(acc_state)
-            # An empty unit produces no accumulator: both sides skip its stage.
-            if k_tiles > 0:
-                acc_state.advance()
-            expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
-                unit_pipeline, unit_state, unit_slots
-            )
-        acc_pipeline.producer_tail(acc_state)
+        first = k_tile * cfg.tile_k
+        for step in cutlass.range_constexpr(num_steps):
+            if first + step * step_tokens < tokens:
+                tiled_mma.set(tcgen05.Field.ACCUMULATE, first + step > 0)
+                tiled_mma.set(tcgen05.Field.SFA, tCtSFA[(None, None, step)].iterator)
+                tiled_mma.set(tcgen05.Field.SFB, tCtSFB[(None, None, step)].iterator)
+                crd = (None, None, step, stage)
+                cute.gemm(tiled_mma, tCtAcc, tCrA[crd], tCrB[crd], tCtAcc)
+        return tiled_mma
 
     # -- epilogue ------------------------------------------------------------------------
     @cute.jit

@@ -82,10 +82,7 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
                out.shape, out.stride(), out.dtype, out.device, accumulate)
     else:
         _check_discrete(outs, offsets, x, dy)
-        if x.is_cuda:
-            target = tinterop.pointer_array(outs, x.device, tinterop.current_stream(x.device.index))
-        else:
-            target = torch.tensor([o.data_ptr() for o in outs], dtype=torch.int64)
+        target = _pointer_array(outs, x)
         key = (x.shape, x.stride(), x.dtype, x.device, dy.shape, dy.stride(), dy.dtype,
                dy.device, offsets.shape, offsets.stride(), offsets.dtype, offsets.device,
                len(outs), outs[0].dtype, accumulate)
@@ -102,6 +99,14 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
                     stream=stream, workspace=workspace, validate_offsets=validate_offsets)
     except ArgumentError as exc:  # misaligned storage, or offsets rejected by a check
         raise exc.renamed(NAMES) from None
+
+
+def _pointer_array(outs: Sequence[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """The discrete outputs' addresses as an int64 tensor on x's device (CUDA: cached, built
+    without a host sync; CPU: a plain tensor for the reference)."""
+    if x.is_cuda:
+        return tinterop.pointer_array(outs, x.device, tinterop.current_stream(x.device.index))
+    return torch.tensor([o.data_ptr() for o in outs], dtype=torch.int64)
 
 
 def _plan(x, dy, offsets, out, outs, target, accumulate) -> LaunchPlan:
@@ -317,7 +322,7 @@ def _fp8_launch(x, dy, offsets, x_scale, dy_scale, x_global_scale, dy_global_sca
             gwgrad.grouped_gemm_wgrad(wgrad_tensor=out, **kwargs)
         else:
             _check_discrete(outs, offsets, x, dy)
-            ptrs = tinterop.pointer_array(outs, x.device, tinterop.current_stream(x.device.index))
+            ptrs = _pointer_array(outs, x)
             gwgrad.grouped_gemm_wgrad(output_mode="discrete", wgrad_ptrs=ptrs,
                                       wgrad_dtype=tinterop.DTYPES.get(outs[0].dtype), **kwargs)
 

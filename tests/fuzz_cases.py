@@ -584,20 +584,6 @@ def replay_cases(master: int, only: str, n_cases: int = DEFAULT_CASES) -> List[C
     return cases
 
 
-def cpu_limitation(case: Case) -> Optional[str]:
-    """Why ``case`` cannot run on the CPU reference backend (``run_case(case, "cpu")``), or None.
-    Both are gaps of the project found by this suite, not of the GPU path: the reference
-    backend's tiling check knows the BF16 SM90 tiles only (it rejects the FP8 kernel's 64x192),
-    and the torch adapter's ``wgrad_fp8`` with a list ``out`` builds its pointer array with
-    CUDA calls even for CPU tensors."""
-    spec, draw = case.spec, case.draw
-    if spec.kind == "fp8" and spec.tiling == (64, 192):
-        return "the CPU reference rejects the SM90 FP8 tile 64x192"
-    if spec.kind == "fp8" and draw.entry == "adapter" and spec.mode == "discrete":
-        return "gwgrad.adapters.torch.wgrad_fp8(out=[...]) calls CUDA for CPU tensors"
-    return None
-
-
 # --- the static view: what gwgrad is asked to compile -----------------------------------------------
 
 def to_static_spec(spec: Spec, arch: str = "sm_90a"):

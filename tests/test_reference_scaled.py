@@ -300,3 +300,34 @@ def test_bad_offsets_are_still_named_first(rng):
     kw = dict(case.kwargs, offsets_tensor=np.array([48, 64], np.int32))
     with pytest.raises(ValueError, match=r"^offsets_tensor: .*multiple of 32"):
         gwgrad.grouped_gemm_wgrad(wgrad_tensor=poisoned(case.expected.shape, "float32"), **kw)
+
+
+def test_cpu_fp8_accepts_every_fp8_tile_and_discrete_torch_outputs():
+    """The CPU reference takes what some GPU kernel of the family runs (the SM90 FP8 tile
+    64x192 included), and the torch adapter's wgrad_fp8 with per-expert outputs works on CPU
+    tensors (its pointer array was built with CUDA calls). Both found by the fuzz suite."""
+    torch = pytest.importorskip("torch")
+    import gwgrad
+    import gwgrad.adapters.torch as gwt
+
+    gen = torch.Generator().manual_seed(1)
+    tokens, hidden, inter, counts = 96, 32, 48, (32, 0, 64)
+    offsets = torch.tensor(np.cumsum(counts), dtype=torch.int32)
+    xt = torch.randn(hidden, tokens, generator=gen).to(torch.float8_e4m3fn)
+    dyt = torch.randn(inter, tokens, generator=gen).to(torch.float8_e4m3fn)
+    sx = torch.rand(3, hidden, generator=gen) + 0.5
+    sdy = torch.rand(3, inter, generator=gen) + 0.5
+    bounds = [0, *np.cumsum(counts)]
+    want = torch.stack([
+        (xt.double()[:, s:e] * sx[i].double()[:, None]) @ (dyt.double()[:, s:e].T
+                                                           * sdy[i].double()[None, :])
+        for i, (s, e) in enumerate(zip(bounds, bounds[1:]))])
+    (w,) = gwgrad.grouped_gemm_wgrad(
+        a_tensor=xt, b_tensor=dyt.T, sfa_tensor=sx, sfb_tensor=sdy, offsets_tensor=offsets,
+        scale_recipe="per_expert_channel", wgrad_dtype="float32",
+        mma_tiler_mn=(64, 192), cluster_shape_mn=(1, 1))
+    torch.testing.assert_close(torch.as_tensor(np.asarray(w)).double(), want, rtol=1e-5,
+                               atol=1e-5)
+    outs = [torch.full((hidden, inter), float("nan")) for _ in counts]
+    gwt.wgrad_fp8(xt.T, dyt.T, offsets, sx, sdy, scale_recipe="per_expert_channel", out=outs)
+    torch.testing.assert_close(torch.stack(outs).double(), want, rtol=1e-5, atol=1e-5)

@@ -88,5 +88,19 @@ def sm100_cta_tile_m(mma_tiler_mn: Pair) -> int:
     return mma_tiler_mn[0] // (2 if mma_tiler_mn[0] == 256 else 1)
 
 
+def any_gpu_tiling_problem(mma_tiler_mn: Pair, cluster_shape_mn: Pair,
+                           block_scaled: bool) -> Optional[Tuple[str, str]]:
+    """None when some GPU kernel of the family runs this tiling (what the CPU reference
+    accepts, so that code tested on the CPU does not fail on a GPU), else the first
+    architecture's reason with the others' appended."""
+    checks = ((sm90_fp8_problem, sm100_blockscaled_problem) if block_scaled
+              else (sm90_problem, sm100_problem))
+    problems = [check(mma_tiler_mn, cluster_shape_mn) for check in checks]
+    if not all(problems):
+        return None
+    argument, detail = problems[0]
+    return argument, f"{detail} (and on SM100: {problems[1][1]})"
+
+
 #: Architecture -> its tiling predicate.
 PROBLEMS = {"sm_90a": sm90_problem, "sm_100a": sm100_problem, "sm_103a": sm100_problem}

@@ -32,9 +32,14 @@ class Fp8Sm90Backend(_cutedsl.CuteDslBackend):
 
     def default_tiling(self, spec: StaticSpec):
         # Measured on the H200 (dsv3-fc1, channel scales): 128x192 1103 TFLOP/s, 128x128
-        # 1015. The MXFP8 path keeps 128x128: its per-thread scale words leave no registers
-        # for 192 columns.
-        if spec.scale_recipe == "blocked" or spec.intermediate <= 128:
+        # 1015; pingpong 64-row tiles are slower for the channel and 1x128 recipes (0.6-0.75x,
+        # docs/results/h200_bench_fp8_tiles.json). MXFP8 is the exception: its per-32-token
+        # promotion on the CUDA cores overlaps the other warp group's WGMMAs in the pingpong
+        # schedule, and 64x128 runs 1.13-1.24x its 128x128 on every large-expert row (176-193
+        # against 152-168 TFLOP/s, same run; 64x192 spills: 56).
+        if spec.scale_recipe == "blocked":
+            return (64, 128), (1, 1)
+        if spec.intermediate <= 128:
             return (128, 128), (1, 1)
         return (128, 192), (1, 1)
 

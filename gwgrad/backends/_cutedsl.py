@@ -110,6 +110,18 @@ def check_bf16_spec(spec: StaticSpec) -> None:
         fail("offsets_tensor", "at least one expert", spec.num_experts)
 
 
+def check_scaled_spec(spec: StaticSpec) -> None:
+    """What every block-scaled CuTe DSL kernel needs from the static spec (formats, majors and
+    sf_vec_size are each kernel's own predicate, ``can_implement``)."""
+    if spec.acc_dtype != DType.FLOAT32:
+        fail("acc_dtype", "float32", spec.acc_dtype)
+    if spec.wgrad_dtype not in (DType.BFLOAT16, DType.FLOAT16, DType.FLOAT32):
+        fail("wgrad_dtype", "bfloat16, float16 or float32", spec.wgrad_dtype)
+    for name, value in (("a_tensor", spec.hidden), ("b_tensor", spec.intermediate)):
+        if value % 16 != 0:
+            fail(name, "hidden / intermediate a multiple of 16 for block-scaled inputs", value)
+
+
 class CompiledGemm:
     """A compiled prep + GEMM kernel for one static spec: its ``KernelFunction``, the number
     of work units (for the grid size per device) and its workspace size, neither of which

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..dtypes import DType
-from ..errors import fail
 from ..kernels.tiling import sm100_blockscaled_problem, sm100_cta_tile_m
 from ..spec import StaticSpec
 from . import _cutedsl
@@ -17,14 +15,7 @@ class BlockScaledSm100Backend(_cutedsl.CuteDslBackend):
     name = "blockscaled_sm100"
 
     def check_spec(self, spec: StaticSpec) -> None:
-        # Formats, majors and sf_vec_size: the kernel's own predicate (can_implement).
-        if spec.acc_dtype != DType.FLOAT32:
-            fail("acc_dtype", "float32", spec.acc_dtype)
-        if spec.wgrad_dtype not in (DType.BFLOAT16, DType.FLOAT16, DType.FLOAT32):
-            fail("wgrad_dtype", "bfloat16, float16 or float32", spec.wgrad_dtype)
-        for name, value in (("a_tensor", spec.hidden), ("b_tensor", spec.intermediate)):
-            if value % 16 != 0:
-                fail(name, "hidden / intermediate a multiple of 16 for block-scaled inputs", value)
+        _cutedsl.check_scaled_spec(spec)
 
     def default_tiling(self, spec: StaticSpec):
         # The contract's default: a 256x256 2-CTA MMA on a (2, 1) cluster (one accumulator

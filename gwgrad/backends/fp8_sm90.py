@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 from ..dtypes import DType
-from ..errors import fail
 from ..kernels.tiling import SM90_FP8_TILES, sm90_fp8_problem
 from ..spec import StaticSpec
 from . import _cutedsl
@@ -22,13 +21,7 @@ class Fp8Sm90Backend(_cutedsl.CuteDslBackend):
                     f"{name}: FP4 (NVFP4 / MXFP4) needs an SM100 GPU's block-scaled tensor "
                     f"cores; {spec.arch} (Hopper) has none. Use FP8 operands here")
         # FP8 dtypes and K-major operands: the kernel's own predicate (can_implement).
-        if spec.acc_dtype != DType.FLOAT32:
-            fail("acc_dtype", "float32", spec.acc_dtype)
-        if spec.wgrad_dtype not in (DType.BFLOAT16, DType.FLOAT16, DType.FLOAT32):
-            fail("wgrad_dtype", "bfloat16, float16 or float32", spec.wgrad_dtype)
-        for name, value in (("a_tensor", spec.hidden), ("b_tensor", spec.intermediate)):
-            if value % 16 != 0:
-                fail(name, "hidden / intermediate a multiple of 16 for FP8", value)
+        _cutedsl.check_scaled_spec(spec)
 
     def default_tiling(self, spec: StaticSpec):
         # Measured on the H200 (dsv3-fc1, channel scales): 128x192 1103 TFLOP/s, 128x128

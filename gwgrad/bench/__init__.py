@@ -363,12 +363,9 @@ def build_methods(inp: RowInputs, configs: List, row: Dict,
     return fns, default
 
 
-def summarize(row: Dict, times: Dict[str, float], copy_bytes: int = 0) -> Dict:
-    """Fill ``row`` from the methods' median milliseconds: TFLOP/s, the ratios and the HBM
-    roofline. Ratios are TFLOP/s over TFLOP/s (= time over time, inverted): ratio_vs_X =
-    gwgrad / X (> 1: gwgrad faster); wrapper_over_adapter = wrapper / adapter."""
-    m, n, t = row["hidden"], row["intermediate"], row["tokens_sum"]
-    flops = 2.0 * m * n * t
+def record_times(row: Dict, times: Dict[str, float], flops: float, copy_bytes: int = 0) -> None:
+    """``row["methods"][name]``: the median milliseconds and TFLOP/s of each method (GB/s of
+    moved bytes for the copy)."""
     meth = row["methods"]
     for name, ms in times.items():
         entry = {"ms": ms}
@@ -377,6 +374,15 @@ def summarize(row: Dict, times: Dict[str, float], copy_bytes: int = 0) -> Dict:
         else:
             entry["tflops"] = flops / ms / 1e9
         meth[name] = entry
+
+
+def summarize(row: Dict, times: Dict[str, float], copy_bytes: int = 0) -> Dict:
+    """Fill ``row`` from the methods' median milliseconds: TFLOP/s, the ratios and the HBM
+    roofline. Ratios are TFLOP/s over TFLOP/s (= time over time, inverted): ratio_vs_X =
+    gwgrad / X (> 1: gwgrad faster); wrapper_over_adapter = wrapper / adapter."""
+    m, n, t = row["hidden"], row["intermediate"], row["tokens_sum"]
+    record_times(row, times, 2.0 * m * n * t, copy_bytes)
+    meth = row["methods"]
     tiles = {k: v for k, v in times.items() if k.startswith("gwgrad_")}
     default = "gwgrad_{}x{}".format(*row["gwgrad_config"]) if row.get("gwgrad_config") else None
     if default in times:

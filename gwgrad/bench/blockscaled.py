@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import (DEFAULT_SHAPES, CopyBuffers, KernelRunner, _cumsum, _error, _write,
-               copy_bandwidth, roofline_fraction, select_shapes, time_methods, token_counts)
+               record_times, roofline_fraction, select_shapes, time_methods, token_counts)
 
 #: Counts are rounded to this (so that torch._scaled_grouped_mm and every format accept them).
 COUNT_MULTIPLE = 256
@@ -173,15 +173,9 @@ def summarize(row: Dict, times: Dict[str, float], formats: Sequence[str],
               copy_bytes: int = 0, counts: Optional[Sequence[int]] = None) -> Dict:
     """Fill ``row`` from the methods' median milliseconds: TFLOP/s (GB/s for the copy), each
     format's best tile, the ratios and the HBM roofline shares."""
-    total = flops(row["hidden"], row["intermediate"], row["tokens_sum"])
+    record_times(row, times, flops(row["hidden"], row["intermediate"], row["tokens_sum"]),
+                 copy_bytes)
     meth = row["methods"]
-    for name, ms in times.items():
-        entry = {"ms": ms}
-        if name == "copy":
-            entry.update(bytes=2 * copy_bytes, gbps=copy_bandwidth(copy_bytes, ms) / 1e9)
-        else:
-            entry["tflops"] = total / ms / 1e9
-        meth[name] = entry
     ratios = row.setdefault("ratios", {})
     best = row.setdefault("best", {})
     torch_sg = meth.get("torch_scaled_grouped_mm_mxfp8", {}).get("tflops")

@@ -89,7 +89,9 @@ def test_cuda_graph_replay_reads_new_offsets():
         fresh = gwt.wgrad(x, dy, offsets, out_dtype=torch.float32)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # Capture on a stream of the tensors' device: torch.cuda.graph's default capture
+    # stream is made once per process, on the device current at its first use.
+    with torch.cuda.graph(graph, stream=side):
         gwt.wgrad(x, dy, offsets, out=out)
         gwt.wgrad(x, dy, offsets, out=outs)
         fresh = gwt.wgrad(x, dy, offsets, out_dtype=torch.float32)  # allocated in the graph
@@ -141,3 +143,48 @@ def test_grouped_expert_linear_matches_autograd():
     (gwt.grouped_mm_reference(x2, w2, offsets) * up.double()).sum().backward()
     assert rel_err(x1.grad, x2.grad) < 2e-2
     assert rel_err(w1.grad, w2.grad) < 2e-2
+
+
+_DEVICE_SCRIPT = r"""
+import torch
+import gwgrad.adapters.torch as gwt
+from gwgrad import kernel_cache
+
+counts = [300, 0, 77, 651]
+offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+for current, target in [(0, 1), (0, 0), (1, 0), (1, 1)]:
+    torch.cuda.set_device(current)
+    x = torch.randn(1028, 128, dtype=torch.bfloat16, device=f"cuda:{target}")
+    dy = torch.randn(1028, 192, dtype=torch.bfloat16, device=f"cuda:{target}")
+    w = gwt.wgrad(x, dy, offsets.to(f"cuda:{target}"), out_dtype=torch.float32)
+    bounds = [0] + offsets.tolist()
+    want = torch.stack([x[s:e].double().T @ dy[s:e].double() for s, e in zip(bounds, bounds[1:])])
+    err = float((w.double() - want).norm() / want.norm())
+    now = torch.cuda.current_device()
+    print(f"current {current} -> {now} after a call on cuda:{target} (w on {w.device}), "
+          f"error {err:.1e}")
+    assert now == current and w.device == x.device and err < 1e-5
+print("compiles", kernel_cache.stats()["compiles"])
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_the_callers_current_device_is_left_alone(tmp_path):
+    """gwgrad launches on the arrays' device and must give the caller back its current
+    device after a compile (first process, empty disk cache), a load from the disk cache
+    (second process) and a launch on the other GPU, or a later ``device="cuda"`` silently
+    lands on the wrong GPU. (It does: measured on two H200s. JAX's backend initialization,
+    by contrast, leaves the last GPU current; the GPU tests therefore never assume that
+    ``"cuda"`` is ``cuda:0``.)"""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "GWGRAD_CACHE_DIR": str(tmp_path)}
+    for run in ("compile", "disk cache"):
+        done = subprocess.run([sys.executable, "-c", _DEVICE_SCRIPT], env=env, text=True,
+                              capture_output=True, timeout=300)
+        print(f"--- {run}\n{done.stdout}{done.stderr[-3000:]}")
+        assert done.returncode == 0, f"{run}: {done.stderr[-3000:]}"
+        compiles = int(done.stdout.rsplit("compiles", 1)[1])
+        assert (compiles > 0) if run == "compile" else (compiles == 0), run

@@ -140,7 +140,9 @@ def test_cuda_graph_capture():
     torch.cuda.synchronize()
     out.fill_(float("nan"))
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # Capture on a stream of the tensors' device: torch.cuda.graph's default capture
+    # stream is made once per process, on the device current at its first use.
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream(out.device)):
         _call(*gpu[:2], offsets_tensor=gpu[2], wgrad_tensor=out)
     graph.replay()
     torch.cuda.synchronize()

@@ -227,7 +227,9 @@ def test_cuda_graph_capture_of_forward_and_backward():
     torch.cuda.synchronize()
     x.grad = None
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # Capture on a stream of the tensors' device: torch.cuda.graph's default capture
+    # stream is made once per process, on the device current at its first use.
+    with torch.cuda.graph(graph, stream=side):
         y = layer(x, offsets)
         y.backward(dy)
     dx_graph = x.grad  # allocated in the graph's pool; every replay rewrites it
@@ -262,10 +264,13 @@ def test_cuda_graph_capture_of_forward_and_backward():
 def test_device_errors_name_the_argument():
     layer = make_layer()
     x, _, offsets = inputs()
-    with pytest.raises(ValueError, match=r"^offsets: expected a tensor on cuda:0 like x"):
+    # The current device, which is not cuda:0 in a process where JAX initialized two GPUs.
+    device = str(layer.weight0.device)
+    assert x.device == layer.weight0.device
+    with pytest.raises(ValueError, match=rf"^offsets: expected a tensor on {device} like x"):
         layer(x, offsets.cpu())
-    with pytest.raises(ValueError, match=r"^x: expected a tensor on cuda:0"):
+    with pytest.raises(ValueError, match=rf"^x: expected a tensor on {device}"):
         layer(x.cpu(), offsets)
     layer.weight4.main_grad = torch.zeros(IN, OUT)  # on the CPU
-    with pytest.raises(ValueError, match=r"^weight4.main_grad: expected .*on cuda:0"):
+    with pytest.raises(ValueError, match=rf"^weight4.main_grad: expected .*on {device}"):
         layer(x, offsets)

@@ -229,7 +229,9 @@ def test_cuda_graph_replays_with_new_offsets(rng, fmt):
         call()  # warm: compile, workspace
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # Capture on a stream of the tensors' device: torch.cuda.graph's default capture
+    # stream is made once per process, on the device current at its first use.
+    with torch.cuda.graph(graph, stream=stream):
         call()
     for _ in range(4):
         new = draw()

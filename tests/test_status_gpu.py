@@ -139,7 +139,9 @@ def test_graph_replays_with_invalid_offsets_write_nothing():
     gwt.wgrad(x, dy, offsets, out=out, accumulate=True)  # compile and plan before capturing
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # Capture on a stream of the tensors' device: torch.cuda.graph's default capture
+    # stream is made once per process, on the device current at its first use.
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream(out.device)):
         gwt.wgrad(x, dy, offsets, out=out, accumulate=True)
     before = whole.clone()
     for case in sorted(BAD):

@@ -10,7 +10,8 @@
 #   also: examples, unrounded (bench with counts not rounded to 256), adapters (kernel time
 #   per adapter), fp8 (bench/fp8.py: the FP8 recipes), qtests (the quantizers' GPU tests),
 #   qbench (bench/quantize.py), fuzz (tests/test_fuzz_gpu.py), sanitize (scripts/sanitize.py),
-#   soak (scripts/soak.py), reliability (the main-grad layer, short soak and two-GPU tests);
+#   soak (scripts/soak.py), reliability (the main-grad layer, short soak and two-GPU tests),
+#   ncu (scripts/profile_gemm.py under Nsight Compute: gwgrad vs dense cuBLAS per row);
 #   these are not in the default run's budget.
 #
 # Files under $OUT (default /tmp/gwgrad-out; at most 6, one folder): run.log (every step's
@@ -141,6 +142,22 @@ for s in $steps; do
       capture "$PY" scripts/sanitize.py --json "$OUT/sanitize.json" ${GWGRAD_SANITIZE_ARGS-}
       tail -20 "$OUT/step.txt"
       done_step sanitize $rc ;;
+    ncu)
+      # scripts/profile_gemm.py under Nsight Compute: per row gwgrad's kernels and the dense
+      # cuBLAS GEMM of equal FLOPs (SpeedOfLight, + the tensor pipe's active share: on the
+      # H200's ncu, sm__pipe_tensor_cycles_active counts HGMMA; added where ncu lists it).
+      step ncu 240 || continue
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+      TENSOR=sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active
+      METRICS=""
+      "$NCU" --query-metrics 2>/dev/null | grep -q "^${TENSOR%%.*} " && METRICS="--metrics $TENSOR"
+      capture "$NCU" --clock-control none --nvtx --nvtx-include "prof/" --section SpeedOfLight \
+        $METRICS --csv --page details --log-file "$OUT/ncu.csv" "$PY" scripts/profile_gemm.py \
+        --rows "${GWGRAD_NCU_ROWS:-dsv3-fc1,qwen3-30b-fc1,qwen3-30b-fc2,gptoss-fc1,dsv2lite-fc1,fine-256e}" \
+        ${GWGRAD_NCU_ACCUMULATE:+--accumulate}
+      cat "$OUT/step.txt"
+      "$PY" scripts/profile_gemm.py --summarize "$OUT/ncu.csv" | tee "$OUT/ncu_summary.txt"
+      done_step ncu $rc ;;
     soak)
       # scripts/soak.py: mixed calls over threads and streams, memory, compiles, graph replays.
       step soak 240 || continue
@@ -155,7 +172,7 @@ for s in $steps; do
         tests/test_soak.py tests/test_expert_parallel_gpu.py ${GWGRAD_RELIABILITY_EXTRA-}
       grep -E "PASS|FAIL|passed|failed|error|max relative" "$OUT/step.txt" | tail -30
       done_step reliability $rc ;;
-    *) say "unknown step: $s (steps: overhead coldstart bench tests examples unrounded adapters fp8 qtests qbench fuzz sanitize soak reliability)" ;;
+    *) say "unknown step: $s (steps: overhead coldstart bench tests examples unrounded adapters fp8 qtests qbench fuzz sanitize soak reliability ncu)" ;;
   esac
 done
 rm -f "$OUT/step.txt" "$OUT"/*.tmp

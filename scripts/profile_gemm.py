@@ -1,0 +1,116 @@
+"""Profile target for ncu (issue #12): per shape row, gwgrad's GEMM (adapter path, default
+tiling; bf16 output, or FP32 accumulate with --accumulate) and the dense cuBLAS GEMM of equal
+FLOPs, each call inside an NVTX range ``prof`` (printed in launch order). Warm-up (compiles, cuBLAS
+heuristics) runs outside every range, so ncu sees exactly one call of each method per row.
+
+    ncu --clock-control none --nvtx --nvtx-include "prof/" --section SpeedOfLight \\
+        --csv --page details --log-file ncu.csv \\
+        python scripts/profile_gemm.py --rows dsv3-fc1,fine-256e --dists uniform
+    python scripts/profile_gemm.py --summarize ncu.csv
+
+``bash scripts/gpu_run.sh ncu`` runs it on the rows below the dense ceiling and the two
+small-expert rows (GWGRAD_NCU_ROWS / GWGRAD_NCU_ACCUMULATE change that) and keeps the CSV
+and a per-kernel summary (duration, SM / DRAM throughput, tensor-pipe share) under $OUT.
+Without ncu it prints each method's time from CUDA events (a check that the target runs).
+"""
+import argparse
+import csv
+import os
+import sys
+from collections import OrderedDict
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from gwgrad.bench import DEFAULT_SHAPES, RowInputs, select_shapes  # noqa: E402
+
+
+# ncu --csv --page details metric names -> summary columns (unit-normalized below)
+METRICS = {"Duration": "us", "Compute (SM) Throughput": "sm%", "DRAM Throughput": "dram%",
+           "Memory Throughput": "mem%",
+           "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active": "tensor%"}
+_TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
+          "s": 1e6, "second": 1e6}
+
+
+def summarize(path: str) -> str:
+    """One line per profiled kernel of an ncu ``--csv --page details`` report, in launch
+    order: its name, duration and the throughput figures (percent of peak)."""
+    kernels: "OrderedDict[str, dict]" = OrderedDict()
+    with open(path) as f:
+        rows = csv.reader(line for line in f if line.startswith('"'))
+        header = next(rows, None)
+        if header is None:
+            return f"{path}: no CSV rows"
+        col = {name: i for i, name in enumerate(header)}
+        for r in rows:
+            k = kernels.setdefault(r[col["ID"]], {"name": r[col["Kernel Name"]]})
+            metric, unit = r[col["Metric Name"]], r[col["Metric Unit"]]
+            if metric in METRICS:
+                value = float(r[col["Metric Value"]].replace(",", ""))
+                if METRICS[metric] == "us":
+                    value *= _TO_US.get(unit, float("nan"))
+                elif unit != "%":
+                    continue  # "Memory Throughput" also comes in bytes/s
+                k[METRICS[metric]] = value
+    cols = ["us", "sm%", "mem%", "dram%", "tensor%"]
+    lines = [f"{'id':>3} {'kernel':<60} " + " ".join(f"{c:>8}" for c in cols)]
+    for kid, k in kernels.items():
+        lines.append(f"{kid:>3} {k['name'][:60]:<60} " + " ".join(
+            f"{k[c]:8.1f}" if c in k else f"{'-':>8}" for c in cols))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--summarize", metavar="CSV",
+                   help="print the per-kernel summary of an ncu CSV report and exit")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES)
+    p.add_argument("--rows", default="", help="comma-separated shape names (default: all)")
+    p.add_argument("--dists", default="uniform", help="comma-separated: uniform, zipf")
+    p.add_argument("--accumulate", action="store_true",
+                   help="gwgrad accumulates into an FP32 output (the main-grad path)")
+    args = p.parse_args()
+    if args.summarize:
+        print(summarize(args.summarize))
+        return 0
+
+    import gwgrad.adapters.torch as gwt
+
+    for shape in select_shapes(args.shapes, args.rows):
+        for dist in args.dists.split(","):
+            inp = RowInputs(shape, dist, 256)
+            if args.accumulate:
+                out = torch.zeros(inp.num_experts, inp.hidden, inp.intermediate,
+                                  dtype=torch.float32, device="cuda")
+                x, dy, offsets = inp.x, inp.dy, inp.offsets
+                methods = {"gwgrad_fp32_acc":
+                           lambda: gwt.wgrad(x, dy, offsets, out=out, accumulate=True)}
+            else:
+                methods = {"gwgrad": inp.adapter()}
+            methods["dense_cublas"] = inp.dense()
+            for fn in methods.values():  # warm-up outside the ranges
+                fn()
+                fn()
+            torch.cuda.synchronize()
+            for name, fn in methods.items():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)
+                torch.cuda.nvtx.range_push("prof")  # ncu --nvtx-include "prof/"
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.nvtx.range_pop()
+                torch.cuda.synchronize()
+                ms = start.elapsed_time(end)
+                print(f"{shape['name']:>14} {dist:>7} {name:>16}: {ms:8.3f} ms "
+                      f"{inp.flops / ms / 1e9:7.1f} TFLOP/s (one call; ncu's figures are the "
+                      "profiled ones)", flush=True)
+            del inp
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""scripts/profile_gemm.py --summarize: the per-kernel table of an ncu CSV report (CPU)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")  # the script's profile target imports it
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("profile_gemm", ROOT / "scripts" /
+                                                  "profile_gemm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+          '"Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit",'
+          '"Metric Value"\n')
+
+
+def row(kid, name, metric, unit, value):
+    return (f'"{kid}","1","python","h","{name}","1","7","(384,1,1)","(132,1,1)","0","9.0",'
+            f'"GPU Speed Of Light Throughput","{metric}","{unit}","{value}"\n')
+
+
+def test_units_and_columns(tmp_path):
+    csv = tmp_path / "ncu.csv"
+    csv.write_text("==PROF== Connected to process 1\n" + HEADER
+                   + row(0, "prep", "Duration", "ns", "2,624")
+                   + row(1, "gemm", "Duration", "ms", "1.5")
+                   + row(1, "gemm", "Memory Throughput", "Gbyte/s", "2,000")  # not a percent
+                   + row(1, "gemm", "Memory Throughput", "%", "86.4")
+                   + row(1, "gemm", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained"
+                                    "_active", "%", "91.5"))
+    lines = load().summarize(str(csv)).splitlines()
+    assert lines[0].split() == ["id", "kernel", "us", "sm%", "mem%", "dram%", "tensor%"]
+    assert lines[1].split() == ["0", "prep", "2.6", "-", "-", "-", "-"]
+    assert lines[2].split() == ["1", "gemm", "1500.0", "-", "86.4", "-", "91.5"]
+
+
+def test_a_stored_report():
+    lines = load().summarize(str(ROOT / "docs/results/h200_ncu_bf16_b.csv")).splitlines()
+    assert len(lines) == 7  # header + prep, GEMM, cuBLAS for two rows
+    gemm = lines[2].split()
+    assert "GroupedWgrad" in gemm[1] and float(gemm[2]) == pytest.approx(1145.0, abs=0.1)
+
+
+def test_empty_report(tmp_path):
+    (tmp_path / "none.csv").write_text("==PROF== nothing profiled\n")
+    assert "no CSV rows" in load().summarize(str(tmp_path / "none.csv"))

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -195,17 +195,17 @@ def _cpu_lowering(ctx, x, dy, offsets, *out, out_dtype, accumulate):
         ctx, x, dy, offsets, *out)
 
 
-@functools.lru_cache(maxsize=None)
-def _cutlass_call(shapes: Tuple, dtypes: Tuple, out_dtype, accumulate: bool, arch: str):
-    """The cutlass_call for one static signature (built once per process)."""
+def _kernel_call(request, out_dtype, accumulate: bool, out_input: int, tokens_sum: int,
+                 constants: Callable[[Any], Dict[str, int]] = lambda spec: {}):
+    """The CuTe DSL ``cutlass_call`` of the kernel for ``request`` (a StaticSpec before
+    finalize_spec): outputs (the weight gradients, the workspace); when accumulating, the
+    output comes in as input ``out_input`` and leaves as output 0, in place.
+    ``constants(spec)``: the entry's further constants (the scaled kernels' ``sf_capacity``)."""
     import cutlass.jax as cutlass_jax
 
     if not cutlass_jax.is_available():
         raise RuntimeError("the CuTe DSL's JAX support (cutlass.jax) is unavailable with this "
                            f"JAX {jax.__version__}; gwgrad's JAX custom call needs it")
-    (x_shape, dy_shape, off_shape), (x_dtype, dy_dtype, off_dtype) = shapes, dtypes
-    request = _spec(x_shape, x_dtype, dy_shape, dy_dtype, off_shape, off_dtype, out_dtype,
-                    accumulate, arch)
     spec, backend = backends.finalize_spec(request)
     make_kernel = getattr(backend, "make_kernel", None)
     if make_kernel is None:
@@ -219,20 +219,30 @@ def _cutlass_call(shapes: Tuple, dtypes: Tuple, out_dtype, accumulate: bool, arc
                                     out_dtype),
                jax.ShapeDtypeStruct((backend.workspace_bytes(spec),), jnp.uint8))
     return cutlass_jax.cutlass_call(
-        kernel.call_tensors,
+        kernel.call_tensors,  # GemmEntryPoints / ScaledEntryPoints.call_tensors
         output_shape_dtype=outputs,
-        # Accumulating: the output comes in as input 3 and leaves as output 0, in place.
-        input_output_aliases={3: 0} if accumulate else None,
+        input_output_aliases={out_input: 0} if accumulate else None,
         allow_cuda_graph=True,
         compile_options=options,
         # Skips re-tracing the kernel to find it in cutlass_call's cache: the spec (and the
         # kernel class) determine the kernel; shapes and the constants below are added to
         # the key by cutlass_call itself.
         compile_key=("gwgrad", type(kernel).__module__, type(kernel).__qualname__, spec),
-        tokens_sum=int(x_shape[0]),
+        tokens_sum=tokens_sum,
         grid_size=backend.grid_size(kernel, spec),
         status_address=_status_address(),
+        **constants(spec),
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _cutlass_call(shapes: Tuple, dtypes: Tuple, out_dtype, accumulate: bool, arch: str):
+    """The cutlass_call for one static signature (built once per process)."""
+    (x_shape, dy_shape, off_shape), (x_dtype, dy_dtype, off_dtype) = shapes, dtypes
+    request = _spec(x_shape, x_dtype, dy_shape, dy_dtype, off_shape, off_dtype, out_dtype,
+                    accumulate, arch)
+    # Inputs x, dy, offsets [, out].
+    return _kernel_call(request, out_dtype, accumulate, 3, int(x_shape[0]))
 
 
 def _status_address() -> int:
@@ -521,38 +531,11 @@ def _fp8_cpu_lowering(ctx, *args, scale_recipe, out_dtype, accumulate):
 def _fp8_cutlass_call(signatures: Tuple, scale_recipe: str, out_dtype, accumulate: bool,
                       arch: str):
     """The cutlass_call of one static wgrad_fp8 signature (built once per process)."""
-    import cutlass.jax as cutlass_jax
-
-    if not cutlass_jax.is_available():
-        raise RuntimeError("the CuTe DSL's JAX support (cutlass.jax) is unavailable with this "
-                           f"JAX {jax.__version__}; gwgrad's JAX custom call needs it")
     request, sfa = _fp8_spec(*signatures, scale_recipe=scale_recipe, out_dtype=out_dtype,
                              accumulate=accumulate, arch=arch)
-    spec, backend = backends.finalize_spec(request)
-    make_kernel = getattr(backend, "make_kernel", None)
-    if make_kernel is None:
-        raise RuntimeError(f"the {backend.name} backend has no JAX entry point yet "
-                           "(make_kernel)")
-    kernel = make_kernel(spec)
-    options = getattr(backend, "compile_options", None)
-    options = options(spec) if options is not None else f"--gpu-arch {spec.arch}"
-    outputs = (jax.ShapeDtypeStruct((spec.num_experts, spec.hidden, spec.intermediate),
-                                    out_dtype),
-               jax.ShapeDtypeStruct((backend.workspace_bytes(spec),), jnp.uint8))
-    return cutlass_jax.cutlass_call(
-        kernel.call_tensors,  # ScaledEntryPoints.call_tensors
-        output_shape_dtype=outputs,
-        # Inputs xt, dyt, offsets, x_scale, dy_scale, gx, gdy [, out]: accumulating, the
-        # output comes in as input 7 and leaves as output 0, in place.
-        input_output_aliases={7: 0} if accumulate else None,
-        allow_cuda_graph=True,
-        compile_options=options,
-        compile_key=("gwgrad", type(kernel).__module__, type(kernel).__qualname__, spec),
-        tokens_sum=int(signatures[0][0][1]),
-        grid_size=backend.grid_size(kernel, spec),
-        status_address=_status_address(),
-        sf_capacity=scale_capacity(spec, sfa),
-    )
+    # Inputs xt, dyt, offsets, x_scale, dy_scale, gx, gdy [, out].
+    return _kernel_call(request, out_dtype, accumulate, 7, int(signatures[0][0][1]),
+                        lambda spec: {"sf_capacity": scale_capacity(spec, sfa)})
 
 
 def _fp8_cuda_lowering(ctx, *args, scale_recipe, out_dtype, accumulate):

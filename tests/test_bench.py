@@ -70,6 +70,15 @@ def _row(times, small=True, copy_bytes=2 ** 31):
     return bench.summarize(row, times, copy_bytes)
 
 
+def test_summarize_names_a_tuned_best():
+    times = {"gwgrad_128x128": 0.40, "gwgrad_128x128:epi_buffer_sets=2": 0.30, "adapter": 0.40,
+             "wrapper": 0.41, "dense_cublas": 0.30, "copy": 1.0}
+    row = _row(times)
+    assert row["gwgrad_best_config"] == [128, 128]
+    assert row["gwgrad_best_tuning"] == {"epi_buffer_sets": 2}
+    assert row["gwgrad_best_vs_default"] == pytest.approx(0.40 / 0.30)
+
+
 def test_summarize_ratios_and_roofline():
     times = {"gwgrad_128x128": 0.40, "gwgrad_128x256": 0.36, "adapter": 0.40, "wrapper": 0.41,
              "torch_grouped_mm": 0.60, "torch_mm_loop": 1.2, "dense_cublas": 0.30, "copy": 1.0}
@@ -233,6 +242,12 @@ def test_arguments_and_row_selection():
     with pytest.raises(SystemExit, match="unknown"):
         bench.select_shapes(bench.DEFAULT_SHAPES, "nope")
     assert bench.parse_tile("128X256") == (128, 256)
+    cfg = bench.parse_tile("128x128:epi_buffer_sets=2:raster_group=8")
+    assert cfg == (128, 128, ("epi_buffer_sets", 2), ("raster_group", 8))
+    assert bench.config_name(cfg) == "gwgrad_128x128:epi_buffer_sets=2:raster_group=8"
+    assert bench.parse_tile(bench.config_name(cfg)[len("gwgrad_"):]) == cfg
+    with pytest.raises(ValueError, match="unknown tuning field 'tile_k'"):
+        bench.parse_tile("128x128:tile_k=32")
 
 
 def test_main_without_a_gpu_exits_cleanly(monkeypatch, tmp_path):

@@ -58,3 +58,51 @@ def test_unsupported_tiling_is_a_value_error(tile, cluster, match):
 
     with pytest.raises(ValueError, match=match):
         finalize_spec(spec("sm_90a", tile=tile, cluster=cluster))
+
+
+def _epilogue_sync_counts(ptx: str):
+    """(256-thread named-barrier waits, TMA-store drains) in the PTX."""
+    import re
+
+    return (len(re.findall(r"bar\.sync\s+%r\d+, 256;", ptx)),
+            ptx.count("cp.async.bulk.wait_group.read"))
+
+
+@pytest.mark.parametrize("case", [
+    dict(tile=(128, 128)),
+    dict(tile=(64, 128), out="float32", acc=True, mode="discrete"),
+    dict(tile=(64, 256), out="float16", order="tensor_ragged", a_major="k"),
+    dict(fp8="block_1x128", tile=(64, 128)),
+], ids=["128x128", "64x128-f32-acc-discrete", "64x256-f16-ragged", "fp8-64x128"])
+def test_pingpong_epilogue_buffer_set_per_group(case):
+    """spec.epi_buffer_sets=2: each pingpong consumer group stages its epilogue in its own
+    buffers, so the EPI_ORDER hand-off (one 256-thread barrier wait) and the per-unit drain of
+    the TMA stores before it are gone; everything else stays."""
+    import dataclasses
+
+    from kernel_compile import fp8_spec
+
+    case = dict(case)
+    recipe = case.pop("fp8", None)
+    base = (fp8_spec("sm_90a", recipe, cluster=(1, 1), **case) if recipe
+            else spec("sm_90a", cluster=(1, 1), **case))
+    shared = compile_ptx(base)
+    split = compile_ptx(dataclasses.replace(base, epi_buffer_sets=2))
+    check_hopper_ptx(split, base.accumulate)
+    (bars, drains), (bars2, drains2) = _epilogue_sync_counts(shared), _epilogue_sync_counts(split)
+    assert (bars2, drains2) == (bars - 1, drains - 1), ((bars, drains), (bars2, drains2))
+
+
+@pytest.mark.parametrize("arch,tile,sets", [
+    ("sm_90a", (128, 256), 2),  # cooperative: one epilogue at a time
+    ("sm_90a", (128, 128), 3),
+    ("sm_100a", (128, 128), 2),
+])
+def test_epilogue_buffer_sets_rejected(arch, tile, sets):
+    import dataclasses
+
+    from gwgrad.backends import finalize_spec
+
+    with pytest.raises(ValueError, match=rf"^epi_buffer_sets: expected 1.*got {sets}$"):
+        finalize_spec(dataclasses.replace(spec(arch, tile=tile, cluster=(1, 1)),
+                                          epi_buffer_sets=sets))

@@ -20,3 +20,31 @@ class TestSm90(KernelChecks):
     ARCH = "sm_90a"
     # cooperative 128x256 and pingpong 128x128
     TILINGS = [((128, 256), (1, 1)), ((128, 128), (1, 1))]
+
+
+# A set of epilogue staging buffers per pingpong consumer group (spec.epi_buffer_sets=2): the
+# groups' epilogues overlap instead of taking one set in turn. Many short experts, so each CTA
+# runs many units and both groups cycle through their buffers many times.
+SPLIT_CASES = [
+    (("m", "n"), "tensor2d", "dense", torch.bfloat16, False),
+    (("k", "n"), "tensor_ragged", "dense", torch.float32, True),
+    (("m", "k"), "tensor2d", "discrete", torch.float16, False),
+    (("k", "k"), "tensor_ragged", "discrete", torch.float32, True),
+]
+
+
+@pytest.mark.parametrize("tile", [(128, 128), (64, 128)], ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("case", range(len(SPLIT_CASES)))
+def test_pingpong_epilogue_buffer_set_per_group(seed, tile, case):
+    import dataclasses
+
+    from gpu_kernel_checks import make_spec, run_and_check
+
+    majors, order, mode, out_dtype, acc = SPLIT_CASES[case]
+    spec = dataclasses.replace(
+        make_spec("sm_90a", 256, 384, 40, *majors, order, mode, out_dtype, acc,
+                  (tile, (1, 1))), epi_buffer_sets=2)
+    gen = torch.Generator().manual_seed(seed)
+    counts = (torch.randint(0, 40, (40,), generator=gen) * 8).tolist()  # K-major: % 8
+    counts[3] = 0
+    run_and_check(spec, counts, out_dtype)

@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from gwgrad.kernels.tiling import PROBLEMS
+from gwgrad.kernels.tiling import PROBLEMS, SM90_TILES, epi_buffer_sets_problem
 
 TILES = list(itertools.product((64, 128, 256), (64, 96, 128, 160, 192, 224, 256)))
 CLUSTERS = [(1, 1), (2, 1), (4, 1), (1, 2)]
@@ -58,3 +58,45 @@ def test_the_cpu_reference_rejects_what_no_gpu_kernel_runs(tile, cluster):
     (w,) = gwgrad.grouped_gemm_wgrad(a, b, offsets_tensor=offsets, mma_tiler_mn=(128, 128),
                                      cluster_shape_mn=(1, 1), wgrad_dtype="float32")
     np.testing.assert_array_equal(w, np.full((1, 16, 24), 8.0, np.float32))
+
+
+SETS_COMBOS = ([("sm_90a", tile, sets) for tile in SM90_TILES for sets in (2, 3)]
+               + [("sm_100a", (128, 128), 2)])
+
+
+@pytest.mark.parametrize("arch,tile,sets", SETS_COMBOS,
+                         ids=[f"{a}-{t[0]}x{t[1]}-sets{s}" for a, t, s in SETS_COMBOS])
+def test_epi_buffer_sets_support_agrees_with_compile(arch, tile, sets):
+    """spec.epi_buffer_sets: the one predicate (tiling.epi_buffer_sets_problem) decides, and
+    what it accepts compiles (a set of epilogue buffers per SM90 pingpong consumer group)."""
+    pytest.importorskip("cutlass")
+    import dataclasses
+
+    from gwgrad import plan
+    from gwgrad.backends import finalize_spec
+
+    request = dataclasses.replace(_spec(arch, tile, (1, 1), out="float32"), epi_buffer_sets=sets)
+    schedule = SM90_TILES[tile] if arch == "sm_90a" else None
+    if epi_buffer_sets_problem(sets, schedule) is not None:
+        with pytest.raises(ValueError, match=rf"^epi_buffer_sets: expected 1.*got {sets}$"):
+            finalize_spec(request)
+        return
+    spec, backend = finalize_spec(request)
+    assert spec.epi_buffer_sets == sets
+    operator = plan.CompiledOperator(spec, backend)
+    assert operator.handle is not None and operator.workspace_bytes > 0
+
+
+@pytest.mark.parametrize("tile,sets,ok", [((128, 128), 2, True), ((64, 256), 2, True),
+                                          ((128, 256), 2, False), ((128, 128), 3, False)])
+def test_the_cpu_reference_takes_the_epi_buffer_sets_a_gpu_kernel_runs(tile, sets, ok):
+    import dataclasses
+
+    from gwgrad.backends import finalize_spec
+
+    request = dataclasses.replace(_spec("cpu", tile, (1, 1)), epi_buffer_sets=sets)
+    if ok:
+        assert finalize_spec(request)[0].epi_buffer_sets == sets
+    else:
+        with pytest.raises(ValueError, match=rf"^epi_buffer_sets: expected 1.*got {sets}$"):
+            finalize_spec(request)

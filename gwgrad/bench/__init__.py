@@ -24,13 +24,14 @@ the JSON holds everything (and a PNG plot is written when matplotlib is there).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_SHAPES = os.path.join(HERE, "shapes.json")
@@ -199,18 +200,26 @@ class KernelRunner:
     current at construction (torch's). No API layer, no per-call argument handling: its time
     is the kernel's. CPU tensors run the reference backend (synchronously)."""
 
-    def __init__(self, a, b, offsets, out, mma_tiler_mn=None, accumulate: bool = False):
+    def __init__(self, a, b, offsets, out, mma_tiler_mn=None, accumulate: bool = False,
+                 tuning: Tuple[Tuple[str, int], ...] = ()):
+        """``tuning``: (StaticSpec tuning field, value) pairs replacing the default's (a
+        sweep's variants: ``--tiles 128x128:epi_buffer_sets=2``)."""
         import torch
 
         import gwgrad
+        from gwgrad.plan import PlanCache, compile_spec, plan_for_spec
 
         desc = gwgrad.as_tensor_desc
         tiling = {}
         if mma_tiler_mn is not None:
             tiling = {"mma_tiler_mn": tuple(mma_tiler_mn), "cluster_shape_mn": (1, 1)}
-        self.plan = gwgrad.plan_for(
-            desc(a, "a_tensor"), desc(b, "b_tensor"), desc(offsets, "offsets_tensor"),
-            wgrad=desc(out, "wgrad_tensor"), accumulate_on_output=accumulate, **tiling)
+        descs = (desc(a, "a_tensor"), desc(b, "b_tensor"), desc(offsets, "offsets_tensor"),
+                 desc(out, "wgrad_tensor"))
+        self.plan = gwgrad.plan_for(*descs[:3], wgrad=descs[3], accumulate_on_output=accumulate,
+                                    **tiling)
+        if tuning:
+            operator = compile_spec(dataclasses.replace(self.plan.spec, **dict(tuning)))
+            self.plan = plan_for_spec(operator, *descs, None, PlanCache())
         self.spec = self.plan.spec
         self.tile = tuple(self.spec.mma_tiler_mn)
         self.workspace = None
@@ -348,10 +357,10 @@ def build_methods(inp: RowInputs, configs: List, row: Dict,
     except Exception as exc:  # noqa: BLE001
         meth["gwgrad"] = {"error": _error(exc)}
     for cfg in configs:
-        name = f"gwgrad_{cfg[0]}x{cfg[1]}"
+        name = config_name(cfg)
         if name not in fns:  # a tile this shape cannot use is recorded as an error
             add(name, lambda: KernelRunner(inp.a, inp.b, inp.offsets, inp.outs["gwgrad"],
-                                           mma_tiler_mn=cfg))
+                                           mma_tiler_mn=cfg[:2], tuning=tuple(cfg[2:])))
     add("adapter", inp.adapter)
     add("wrapper", inp.wrapper)
     if inp.device.type == "cuda" and hasattr(torch, "_grouped_mm") and inp.multiple % 16 == 0:
@@ -388,7 +397,10 @@ def summarize(row: Dict, times: Dict[str, float], copy_bytes: int = 0) -> Dict:
     if default in times:
         meth["gwgrad"] = dict(meth[default])
         best = min(tiles, key=tiles.get)
-        row["gwgrad_best_config"] = [int(v) for v in best.split("_")[1].split("x")]
+        config = parse_tile(best[len("gwgrad_"):])
+        row["gwgrad_best_config"] = list(config[:2])
+        if config[2:]:
+            row["gwgrad_best_tuning"] = dict(config[2:])
         row["gwgrad_best_vs_default"] = times[default] / times[best]
 
     def ms(k):
@@ -634,9 +646,28 @@ def plot(rows: List[Dict], path: str) -> Optional[str]:
 # ----------------------------------------------------------------------------------------
 
 
-def parse_tile(s: str):
-    m, n = s.lower().split("x")
-    return (int(m), int(n))
+#: StaticSpec tuning fields a --tiles entry may set (``MxN:field=value``).
+TUNING_FIELDS = ("raster_group", "epi_tile_n", "epi_buffer_sets")
+
+
+def parse_tile(s: str) -> Tuple:
+    """``"MxN"`` -> (M, N); ``"MxN:field=value[:...]"`` -> (M, N, (field, value), ...): a tile
+    and tuning that replaces the backend's default (fields: TUNING_FIELDS)."""
+    head, *options = s.lower().split(":")
+    m, n = head.split("x")
+    tuning = []
+    for option in options:
+        field, _, value = option.partition("=")
+        if field not in TUNING_FIELDS:
+            raise ValueError(f"unknown tuning field {field!r} in {s!r} (known: "
+                             f"{', '.join(TUNING_FIELDS)})")
+        tuning.append((field, int(value)))
+    return (int(m), int(n), *tuning)
+
+
+def config_name(cfg: Tuple) -> str:
+    """The method name of a parse_tile result: gwgrad_MxN[:field=value...]."""
+    return f"gwgrad_{cfg[0]}x{cfg[1]}" + "".join(f":{f}={v}" for f, v in cfg[2:])
 
 
 def parser() -> argparse.ArgumentParser:
@@ -646,7 +677,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dist", default="uniform,zipf")
     p.add_argument("--tiles", default="128x256,128x128",
                    help="gwgrad mma_tiler_mn values timed besides the default tiling (the "
-                        "table reports the default; the JSON has every tile and the best)")
+                        "table reports the default; the JSON has every tile and the best); "
+                        "MxN:field=value sets a tuning field too (%s), e.g. "
+                        "128x128:epi_buffer_sets=2" % ", ".join(TUNING_FIELDS))
     p.add_argument("--unrounded", action="store_true",
                    help="counts not rounded to 256 (torch._grouped_mm is skipped)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness cross-check")

@@ -106,6 +106,9 @@ class ProblemConfig:
     schedule: str = "cooperative"  # SM90: "cooperative" | "pingpong"
     group_m: int = 16  # m-tiles per raster band (see unit_tile_coords)
     epi_tile_n: int = 0  # columns of one epilogue sub-tile; 0: the kernel's default
+    # SM90 pingpong: epilogue staging buffer sets (1: shared by the consumer groups in turn;
+    # 2: one per group, their epilogues overlap). Other kernels take 1.
+    epi_buffer_sets: int = 1
     # Every expert's token count must be a multiple of this (gwgrad.offsets.token_count_multiple,
     # the one rule): with a K-major operand TMA needs 16-byte aligned rows. Others fail the
     # offsets check and are treated as empty (see module doc).

@@ -116,7 +116,7 @@ from .common import (
     tma_desc_ptr_for_copy,
     token_origin,
 )
-from .tiling import sm100_cta_tile_m, sm100_problem
+from .tiling import epi_buffer_sets_problem, sm100_cta_tile_m, sm100_problem
 
 SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_100")  # 227 KiB per CTA
 CLC_RESPONSE_BYTES = 16
@@ -175,6 +175,9 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         """(argument, detail) of the first reason this kernel cannot run `cfg`, or None.
         (cfg.epi_tile_n is not used: the epilogue tile is the DSL's choice for the MMA tile.)"""
         problem = sm100_problem(tuple(mma_tiler_mn), (cfg.cluster_m, cfg.cluster_n))
+        if problem is not None:
+            return problem
+        problem = epi_buffer_sets_problem(cfg.epi_buffer_sets, None)
         if problem is not None:
             return problem
         if (cfg.tile_m != sm100_cta_tile_m(mma_tiler_mn) * cfg.cluster_m

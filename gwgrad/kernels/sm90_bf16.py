@@ -22,7 +22,12 @@ Warp roles (384 threads, one CTA per SM, persistent):
                  cooperative: both warp groups work on one unit, each on half of its rows;
                  pingpong:    each warp group owns every other unit; ordered named barriers
                               hand the tensor cores from one to the other, so one group's
-                              epilogue runs while the other group's mainloop does.
+                              epilogue runs while the other group's mainloop does. The
+                              epilogue staging buffers are one set the groups take in turn
+                              (EPI_ORDER; each group drains its TMA stores before handing
+                              over), or with spec.epi_buffer_sets=2 a set per group, so the
+                              two groups' epilogues overlap too (for short experts, where a
+                              unit's epilogue outlasts its mainloop).
 
 Pipelines: `ab` (TMA -> WGMMA, mbarriers with transaction counts), `sched` (unit ids, producer
 warp -> all consumer threads), and the TMA store of the epilogue (bulk async groups).
@@ -39,7 +44,10 @@ tests/test_api_gpu.py, the adapters' GPU tests) and its speed (the benchmarks,
 docs/results/); the offsets check and the skip on invalid offsets (tests/test_status_gpu.py:
 default, graph-captured and validate_offsets=False launches write nothing and raise naming
 offsets_tensor). tests/test_compile_sm90.py also asserts the GPU-scope CAS and system-scope fence in the
-prep kernel and the verdict load and branch at the start of this kernel.
+prep kernel and the verdict load and branch at the start of this kernel. epi_buffer_sets=2
+(not the default) is compile-verified only so far (PTX: the EPI_ORDER wait and the per-unit
+store drain gone, nothing else); its GPU test is tests/test_sm90_kernel_gpu.py::
+test_pingpong_epilogue_buffer_set_per_group.
 """
 
 # No `from __future__ import annotations`: the shared-storage struct built in launch() needs
@@ -75,6 +83,7 @@ from .common import (
     token_origin,
     unit_tile_coords,
 )
+from .tiling import epi_buffer_sets_problem
 
 SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_90")  # 227 KiB per CTA
 SCHED_STAGES = 4
@@ -139,14 +148,16 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         Epilogue sub-tile: 128 rows cooperative, 64 pingpong; columns cfg.epi_tile_n, or by
         default 64 for 16-bit outputs (half the barrier rounds of 32: +2-4% on the H200
         benchmark rows) and 32 for FP32, so that the staging buffers leave four A/B stages.
-        The A/B ring takes what shared memory the epilogue buffers leave."""
+        epi_stage buffers per set, cfg.epi_buffer_sets sets (pingpong: 2 gives each consumer
+        group its own). The A/B ring takes what shared memory the epilogue buffers leave."""
         c_width = cfg.cutlass_c_dtype.width
         epi_n = min(cfg.epi_tile_n or (64 if c_width == 16 else 32), cfg.tile_n)
         epi_m = min(64 if cfg.schedule == "pingpong" else 128, cfg.tile_m)
         epi_stage = 4 if c_width == 16 else 2
         ab_bytes = stage_bytes(cfg)
         c_bytes = epi_m * epi_n * c_width // 8
-        ab_stage = (SMEM_CAPACITY - SMEM_RESERVED - epi_stage * c_bytes) // ab_bytes
+        epi_bytes = cfg.epi_buffer_sets * epi_stage * c_bytes
+        ab_stage = (SMEM_CAPACITY - SMEM_RESERVED - epi_bytes) // ab_bytes
         return (epi_m, epi_n), epi_stage, min(ab_stage, MAX_AB_STAGE)
 
     @staticmethod
@@ -167,6 +178,9 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             return ("mma_tiler_mn",
                     f"{cfg.schedule} tiles are {rows[0]}|{rows[1]} x 64..256, got "
                     f"{cfg.tile_m}x{cfg.tile_n}")
+        problem = epi_buffer_sets_problem(cfg.epi_buffer_sets, cfg.schedule)
+        if problem is not None:
+            return problem
         epi_tile, _, ab_stage = Sm90GroupedWgrad.epilogue_plan(cfg)
         if cfg.epi_tile_n and (cfg.epi_tile_n % 32 or cfg.tile_n % epi_tile[1]):
             return ("epi_tile_n",
@@ -196,8 +210,10 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         self.b_smem_layout_staged = sm90_utils.make_smem_layout_b(
             b_layout, self.tile_shape_mnk, cfg.cutlass_b_dtype, self.ab_stage
         )
+        # epi_stage buffers per set; with a set per consumer group, group g uses set g.
+        self.epi_split = cfg.epi_buffer_sets == 2
         self.epi_smem_layout_staged = sm90_utils.make_smem_layout_epi(
-            self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage
+            self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage * cfg.epi_buffer_sets
         )
         self.tma_bytes = stage_bytes(cfg)  # one stage's TMA transaction (scales included)
 
@@ -572,13 +588,20 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         epi_order_self = pipeline.NamedBarrier(int(Barrier.EPI_ORDER) + mma_group, both)
         epi_order_peer = pipeline.NamedBarrier(int(Barrier.EPI_ORDER) + 1 - mma_group, both)
         is_store_warp = warp_idx == store_warp
+        # Epilogue staging: one set both groups take in turn (EPI_ORDER, drained at each
+        # hand-off), or a set per group (epi_split: no hand-off; the epilogues overlap).
+        epi_base = 0
+        if cutlass.const_expr(self.epi_split):
+            epi_base = mma_group * self.epi_stage
+        epi_ordered = self.pingpong and not self.epi_split
 
         unit, expert, k_tiles, sched_state = self.take(sched_pipeline, sched_state, sched_slots)
         if cutlass.const_expr(self.pingpong):
             if mma_group == 0:
-                # Group 0 goes first: give it the start signal for both ordered sections.
+                # Group 0 goes first: give it the start signal for the ordered sections.
                 mma_order_self.arrive()
-                epi_order_self.arrive()
+                if cutlass.const_expr(epi_ordered):
+                    epi_order_self.arrive()
             else:
                 # Group 1 starts with the second unit: skip the first one's stages.
                 if expert >= 0:
@@ -611,7 +634,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 store = k_tiles > 0  # adding zeros changes nothing
             if cutlass.const_expr(cfg.output_mode == "discrete"):
                 store = store and output_ptr_ok(wgrad_ptrs, expert)
-            if cutlass.const_expr(self.pingpong):
+            if cutlass.const_expr(epi_ordered):
                 epi_order_self.arrive_and_wait()
             if store:
                 if cutlass.const_expr(cfg.output_mode == "dense"):
@@ -619,6 +642,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                     self.epilogue(
                         tma_atom_c, gC_tile, None, acc, tiled_copy_r2s, tRS_rAcc, tRS_rD,
                         tRS_rD_out, tRS_sD, sC, store_pipeline, epi_bar, is_store_warp, n_done,
+                        epi_base,
                     )
                 else:
                     gC_tile = gC[(None, None, tile_m, tile_n)]
@@ -628,9 +652,10 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                     self.epilogue(
                         tma_atom_c, gC_tile, desc_c, acc, tiled_copy_r2s, tRS_rAcc, tRS_rD,
                         tRS_rD_out, tRS_sD, sC, store_pipeline, epi_bar, is_store_warp, n_done,
+                        epi_base,
                     )
                 n_done += 1
-            if cutlass.const_expr(self.pingpong):
+            if cutlass.const_expr(epi_ordered):
                 # The peer group reuses the same staging buffers: let our stores drain first.
                 if is_store_warp:
                     store_pipeline.producer_tail()
@@ -678,8 +703,9 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     @cute.jit
     def epilogue(
         self, tma_atom_c, gC_tile, desc_c, acc, tiled_copy_r2s, tRS_rAcc, tRS_rD, tRS_rD_out,
-        tRS_sD, sC, store_pipeline, epi_bar, is_store_warp, n_done,
+        tRS_sD, sC, store_pipeline, epi_bar, is_store_warp, n_done, epi_base,
     ):
+        """Store acc through the staging buffers epi_base .. epi_base + epi_stage - 1."""
         gC_epi = cute.zipped_divide(gC_tile, self.epi_tile)
         bSG_sD, bSG_gD = cpasync.tma_partition(
             tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
@@ -693,7 +719,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             for v in cutlass.range_constexpr(size_rD):
                 tRS_rD[v] = tRS_rAcc[epi_idx * size_rD + v]
             tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
-            buf = (first_buffer + epi_idx) % self.epi_stage
+            buf = epi_base + (first_buffer + epi_idx) % self.epi_stage
             cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
             # stmatrix writes go through the generic proxy; TMA reads through the async one.
             cute.arch.fence_proxy("async.shared", space="cta")

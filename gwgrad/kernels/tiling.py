@@ -48,6 +48,26 @@ def sm90_schedule(mma_tiler_mn: Pair) -> str:
     return SM90_TILES[tuple(mma_tiler_mn)]
 
 
+def epi_buffer_sets_problem(sets: int, schedule: Optional[str]) -> Optional[Tuple[str, str]]:
+    """(argument, detail) unless a kernel with ``schedule`` ("cooperative" | "pingpong" on
+    SM90; None: SM100, no consumer groups) runs ``sets`` sets of epilogue staging buffers
+    (0: the default, 1)."""
+    if sets in (0, 1) or (sets == 2 and schedule == "pingpong"):
+        return None
+    runs = f"the {schedule} schedule" if schedule else "the SM100 kernel"
+    return "epi_buffer_sets", ("expected 1, or 2 with an SM90 pingpong tile (a set of epilogue "
+                               f"buffers per consumer group; {runs} runs one epilogue at a "
+                               f"time), got {sets}")
+
+
+def any_gpu_epi_buffer_sets_problem(sets: int, mma_tiler_mn: Pair,
+                                    block_scaled: bool) -> Optional[Tuple[str, str]]:
+    """epi_buffer_sets_problem for the SM90 kernel of the family that runs ``mma_tiler_mn``
+    (what the CPU reference accepts)."""
+    tiles = SM90_FP8_TILES if block_scaled else SM90_TILES
+    return epi_buffer_sets_problem(sets, tiles.get(tuple(mma_tiler_mn)))
+
+
 def sm90_fp8_problem(mma_tiler_mn: Pair, cluster_shape_mn: Pair) -> Optional[Tuple[str, str]]:
     """(argument, detail) of the first reason the SM90 FP8 kernel cannot run this tiling."""
     if tuple(mma_tiler_mn) not in SM90_FP8_TILES:

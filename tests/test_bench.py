@@ -218,6 +218,27 @@ def test_run_row_end_to_end_on_the_cpu():
     assert "check_failed" not in row and set(row["rel_err"]) == {"gwgrad", "adapter", "wrapper"}
 
 
+def test_a_tuned_config_runs_its_own_spec_on_the_cpu():
+    """--tiles 128x128:epi_buffer_sets=2: the runner's plan is compiled from the default's
+    spec with that field replaced, and computes the same result."""
+    torch = pytest.importorskip("torch")
+    inp = bench.RowInputs(SHAPE, "uniform", 256, device="cpu")
+    out = inp.outs["gwgrad"]
+    plain = bench.KernelRunner(inp.a, inp.b, inp.offsets, out, mma_tiler_mn=(128, 128))
+    tuned = bench.KernelRunner(inp.a, inp.b, inp.offsets, out, mma_tiler_mn=(128, 128),
+                               tuning=(("epi_buffer_sets", 2),))
+    assert plain.spec.epi_buffer_sets == 1 and tuned.spec.epi_buffer_sets == 2
+    assert tuned.tile == (128, 128)
+    plain()
+    first = out.clone()
+    out.zero_()
+    tuned()
+    assert torch.equal(out, first)
+    with pytest.raises(ValueError, match="^epi_buffer_sets"):  # cooperative: one epilogue
+        bench.KernelRunner(inp.a, inp.b, inp.offsets, out, mma_tiler_mn=(128, 256),
+                           tuning=(("epi_buffer_sets", 2),))
+
+
 def test_check_row_flags_a_wrong_result():
     pytest.importorskip("torch")
     row = bench.new_row(SHAPE, "uniform")

@@ -103,6 +103,8 @@ def finalize_spec(spec: StaticSpec) -> Tuple[StaticSpec, Backend]:
         raster_group, epi_tile_n = backend.default_tuning(spec)
         spec = dataclasses.replace(spec, raster_group=spec.raster_group or raster_group,
                                    epi_tile_n=spec.epi_tile_n or epi_tile_n)
+    if not spec.epi_buffer_sets:  # one set of epilogue staging buffers
+        spec = dataclasses.replace(spec, epi_buffer_sets=1)
     backend.check_support(spec)
     return spec, backend
 

@@ -86,7 +86,7 @@ def problem_config(spec: StaticSpec, schedule: str, unit_tile_m: int = 0):
         # key; 0 here only for a spec that skipped it: the kernels' defaults.
         group_m=spec.raster_group or 16,
         epi_tile_n=spec.epi_tile_n,
-        epi_buffer_sets=spec.epi_buffer_sets or 1,
+        epi_buffer_sets=spec.epi_buffer_sets or 1,  # 0: a spec that skipped finalize_spec
         count_multiple=token_count_multiple(spec),
         b_dtype=spec.b_dtype.value if mixed else "",
         scale_recipe=spec.scale_recipe or "",

@@ -78,7 +78,10 @@ for s in $steps; do
       # 8 rows x 2 distributions, ~9 methods each; rows not started after T-45 s are skipped
       # (and say so in the JSON, which is rewritten after every row).
       step bench 220 || continue
-      capture "$PY" -m gwgrad bench --tiles "" --rounds ${GWGRAD_BENCH_ROUNDS:-20} \
+      # GWGRAD_BENCH_TILES: variants timed besides the default (e.g. a sweep:
+      # "128x128,128x128:epi_buffer_sets=2"); GWGRAD_BENCH_ROWS: a subset of rows.
+      capture "$PY" -m gwgrad bench --tiles "${GWGRAD_BENCH_TILES-}" \
+        --rows "${GWGRAD_BENCH_ROWS-}" --rounds ${GWGRAD_BENCH_ROUNDS:-20} \
         --sample-ms 12 --time-budget $((T > 90 ? T - 45 : T / 2)) --json "$OUT/bench.json" \
         --plot "$OUT/bench.png"
       sed -n '/^wrapper\/adapter, worst row/,$p' "$OUT/step.txt" | head -60

@@ -173,9 +173,9 @@ def test_the_callers_current_device_is_left_alone(tmp_path):
     """gwgrad launches on the arrays' device and must give the caller back its current
     device after a compile (first process, empty disk cache), a load from the disk cache
     (second process) and a launch on the other GPU, or a later ``device="cuda"`` silently
-    lands on the wrong GPU. (It does: measured on two H200s. JAX's backend initialization,
-    by contrast, leaves the last GPU current; the GPU tests therefore never assume that
-    ``"cuda"`` is ``cuda:0``.)"""
+    lands on the wrong GPU. (gwgrad passes this on two H200s. JAX's backend initialization,
+    by contrast, leaves the last GPU current, so the GPU tests do not assume that ``"cuda"``
+    is ``cuda:0``.)"""
     import os
     import subprocess
     import sys

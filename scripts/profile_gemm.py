@@ -28,7 +28,8 @@ from gwgrad.bench import DEFAULT_SHAPES, RowInputs, select_shapes  # noqa: E402
 
 # ncu --csv --page details metric names -> summary columns (unit-normalized below)
 METRICS = {"Duration": "us", "Compute (SM) Throughput": "sm%", "DRAM Throughput": "dram%",
-           "Memory Throughput": "mem%",
+           "Memory Throughput": "mem%", "L2 Cache Throughput": "l2%",
+           "L1/TEX Cache Throughput": "l1%",
            "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active": "tensor%"}
 _TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
           "s": 1e6, "second": 1e6}
@@ -54,11 +55,11 @@ def summarize(path: str) -> str:
                 elif unit != "%":
                     continue  # "Memory Throughput" also comes in bytes/s
                 k[METRICS[metric]] = value
-    cols = ["us", "sm%", "mem%", "dram%", "tensor%"]
-    lines = [f"{'id':>3} {'kernel':<60} " + " ".join(f"{c:>8}" for c in cols)]
+    cols = ["us", "sm%", "mem%", "l1%", "l2%", "dram%", "tensor%"]
+    lines = [f"{'id':>3} {'kernel':<52} " + " ".join(f"{c:>7}" for c in cols)]
     for kid, k in kernels.items():
-        lines.append(f"{kid:>3} {k['name'][:60]:<60} " + " ".join(
-            f"{k[c]:8.1f}" if c in k else f"{'-':>8}" for c in cols))
+        lines.append(f"{kid:>3} {k['name'][:52]:<52} " + " ".join(
+            f"{k[c]:7.1f}" if c in k else f"{'-':>7}" for c in cols))
     return "\n".join(lines)
 
 

@@ -38,16 +38,17 @@ def test_units_and_columns(tmp_path):
                    + row(1, "gemm", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained"
                                     "_active", "%", "91.5"))
     lines = load().summarize(str(csv)).splitlines()
-    assert lines[0].split() == ["id", "kernel", "us", "sm%", "mem%", "dram%", "tensor%"]
-    assert lines[1].split() == ["0", "prep", "2.6", "-", "-", "-", "-"]
-    assert lines[2].split() == ["1", "gemm", "1500.0", "-", "86.4", "-", "91.5"]
+    assert lines[0].split() == ["id", "kernel", "us", "sm%", "mem%", "l1%", "l2%", "dram%",
+                                "tensor%"]
+    assert lines[1].split() == ["0", "prep", "2.6", "-", "-", "-", "-", "-", "-"]
+    assert lines[2].split() == ["1", "gemm", "1500.0", "-", "86.4", "-", "-", "-", "91.5"]
 
 
 def test_a_stored_report():
     lines = load().summarize(str(ROOT / "docs/results/h200_ncu_bf16_b.csv")).splitlines()
     assert len(lines) == 7  # header + prep, GEMM, cuBLAS for two rows
     gemm = lines[2].split()
-    assert "GroupedWgrad" in gemm[1] and float(gemm[2]) == pytest.approx(1145.0, abs=0.1)
+    assert "Sm90Grou" in gemm[1] and float(gemm[2]) == pytest.approx(1145.0, abs=0.1)
 
 
 def test_empty_report(tmp_path):

@@ -54,10 +54,13 @@ def epi_buffer_sets_problem(sets: int, schedule: Optional[str]) -> Optional[Tupl
     (0: the default, 1)."""
     if sets in (0, 1) or (sets == 2 and schedule == "pingpong"):
         return None
-    runs = f"the {schedule} schedule" if schedule else "the SM100 kernel"
+    if sets == 2:
+        runs = f"the {schedule} schedule" if schedule else "the SM100 kernel"
+        return "epi_buffer_sets", (f"expected 1 with {runs}, which runs one epilogue at a time "
+                                   "(2, a set of epilogue buffers per consumer group, needs an "
+                                   "SM90 pingpong tile), got 2")
     return "epi_buffer_sets", ("expected 1, or 2 with an SM90 pingpong tile (a set of epilogue "
-                               f"buffers per consumer group; {runs} runs one epilogue at a "
-                               f"time), got {sets}")
+                               f"buffers per consumer group), got {sets}")
 
 
 def any_gpu_epi_buffer_sets_problem(sets: int, mma_tiler_mn: Pair,

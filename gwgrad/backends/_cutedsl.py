@@ -100,13 +100,8 @@ def check_bf16_spec(spec: StaticSpec) -> None:
     if spec.a_dtype != DType.BFLOAT16 or spec.b_dtype != DType.BFLOAT16:
         fail("a_tensor", "bfloat16 operands (the BF16 kernels)",
              f"{spec.a_dtype} and {spec.b_dtype}")
-    if spec.acc_dtype != DType.FLOAT32:
-        fail("acc_dtype", "float32 (the BF16 kernels accumulate in FP32)", spec.acc_dtype)
-    if spec.wgrad_dtype not in (DType.BFLOAT16, DType.FLOAT16, DType.FLOAT32):
-        fail("wgrad_dtype", "bfloat16, float16 or float32", spec.wgrad_dtype)
-    for name, value in (("a_tensor", spec.hidden), ("b_tensor", spec.intermediate)):
-        if value % 8 != 0:
-            fail(name, "hidden / intermediate a multiple of 8 (16-byte TMA rows)", value)
+    _check_accumulator_output_dims(spec, "float32 (the BF16 kernels accumulate in FP32)", 8,
+                                   "hidden / intermediate a multiple of 8 (16-byte TMA rows)")
     if spec.num_experts < 1:
         fail("offsets_tensor", "at least one expert", spec.num_experts)
 
@@ -114,13 +109,21 @@ def check_bf16_spec(spec: StaticSpec) -> None:
 def check_scaled_spec(spec: StaticSpec) -> None:
     """What every block-scaled CuTe DSL kernel needs from the static spec (formats, majors and
     sf_vec_size are each kernel's own predicate, ``can_implement``)."""
+    _check_accumulator_output_dims(
+        spec, "float32", 16, "hidden / intermediate a multiple of 16 for block-scaled inputs")
+
+
+def _check_accumulator_output_dims(spec: StaticSpec, acc_expected: str, multiple: int,
+                                   dims_expected: str) -> None:
+    """FP32 accumulation, a 16/32-bit float output and hidden / intermediate multiples of
+    ``multiple``: the rules both kernel families share (their messages: the arguments)."""
     if spec.acc_dtype != DType.FLOAT32:
-        fail("acc_dtype", "float32", spec.acc_dtype)
+        fail("acc_dtype", acc_expected, spec.acc_dtype)
     if spec.wgrad_dtype not in (DType.BFLOAT16, DType.FLOAT16, DType.FLOAT32):
         fail("wgrad_dtype", "bfloat16, float16 or float32", spec.wgrad_dtype)
     for name, value in (("a_tensor", spec.hidden), ("b_tensor", spec.intermediate)):
-        if value % 16 != 0:
-            fail(name, "hidden / intermediate a multiple of 16 for block-scaled inputs", value)
+        if value % multiple != 0:
+            fail(name, dims_expected, value)
 
 
 class CompiledGemm:

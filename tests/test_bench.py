@@ -234,6 +234,12 @@ def test_a_tuned_config_runs_its_own_spec_on_the_cpu():
     out.zero_()
     tuned()
     assert torch.equal(out, first)
+    paired = bench.KernelRunner(inp.a, inp.b, inp.offsets, out, mma_tiler_mn=(128, 128),
+                                tuning=(("cluster_shape_mn", (1, 2)),))
+    assert paired.spec.cluster_shape_mn == (1, 2)
+    out.zero_()
+    paired()
+    assert torch.equal(out, first)
     with pytest.raises(ValueError, match="^epi_buffer_sets"):  # cooperative: one epilogue
         bench.KernelRunner(inp.a, inp.b, inp.offsets, out, mma_tiler_mn=(128, 256),
                            tuning=(("epi_buffer_sets", 2),))
@@ -266,6 +272,9 @@ def test_arguments_and_row_selection():
     cfg = bench.parse_tile("128x128:epi_buffer_sets=2:raster_group=8")
     assert cfg == (128, 128, ("epi_buffer_sets", 2), ("raster_group", 8))
     assert bench.config_name(cfg) == "gwgrad_128x128:epi_buffer_sets=2:raster_group=8"
+    assert bench.parse_tile(bench.config_name(cfg)[len("gwgrad_"):]) == cfg
+    cfg = bench.parse_tile("128x128:cluster=1x2")
+    assert cfg == (128, 128, ("cluster_shape_mn", (1, 2)))
     assert bench.parse_tile(bench.config_name(cfg)[len("gwgrad_"):]) == cfg
     with pytest.raises(ValueError, match="unknown tuning field 'tile_k'"):
         bench.parse_tile("128x128:tile_k=32")

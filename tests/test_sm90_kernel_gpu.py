@@ -22,6 +22,19 @@ class TestSm90(KernelChecks):
     TILINGS = [((128, 256), (1, 1)), ((128, 128), (1, 1))]
 
 
+class TestSm90PairSharingA(KernelChecks):
+    """1x2 clusters: the CTA pair multicasts A (unit tile 128 x 2n; with an odd number of
+    n-tiles the second CTA's half lies past the output: loaded as zeros, stored nowhere)."""
+    ARCH = "sm_90a"
+    TILINGS = [((128, 256), (1, 2)), ((128, 128), (1, 2))]
+
+
+class TestSm90PairSharingB(KernelChecks):
+    """2x1 clusters: the CTA pair multicasts B."""
+    ARCH = "sm_90a"
+    TILINGS = [((128, 256), (2, 1)), ((128, 128), (2, 1))]
+
+
 # A set of epilogue staging buffers per pingpong consumer group (spec.epi_buffer_sets=2): the
 # groups' epilogues overlap instead of taking one set in turn. Many short experts, so each CTA
 # runs many units and both groups cycle through their buffers many times.

@@ -100,3 +100,19 @@ def test_the_cpu_reference_takes_the_epi_buffer_sets_a_gpu_kernel_runs(tile, set
     else:
         with pytest.raises(ValueError, match=rf"^epi_buffer_sets: expected 1.*got {sets}$"):
             finalize_spec(request)
+
+
+def test_the_grid_is_whole_resident_clusters(monkeypatch):
+    """1x1: one CTA per SM (or per unit); pairs: whole clusters, no more than are resident at
+    once (the pairs' unit order is static)."""
+    from types import SimpleNamespace
+
+    from gwgrad.backends import _cutedsl
+
+    monkeypatch.setattr(_cutedsl, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(_cutedsl, "_max_active_clusters", lambda device, size: 60)
+    cfg = lambda units, cm=1, cn=1: SimpleNamespace(num_units=units, cluster_m=cm, cluster_n=cn)
+    assert _cutedsl.grid_size(cfg(1000), 0) == 132
+    assert _cutedsl.grid_size(cfg(7), 0) == 7
+    assert _cutedsl.grid_size(cfg(1000, 1, 2), 0) == 120
+    assert _cutedsl.grid_size(cfg(7, 2, 1), 0) == 14  # a unit is a cluster's tile

@@ -60,9 +60,10 @@ def entry_kinds(spec: StaticSpec) -> Tuple[str, ...]:
     return tuple(row[1] for row in entry_signature(spec))
 
 
-def problem_config(spec: StaticSpec, schedule: str, unit_tile_m: int = 0):
-    """The kernel-side config. A unit is one cluster's tile: `unit_tile_m` is its M extent
-    when that differs from the MMA tile's (SM100 clusters; default: mma_tiler_mn[0])."""
+def problem_config(spec: StaticSpec, schedule: str, unit_tile_m: int = 0, unit_tile_n: int = 0):
+    """The kernel-side config. A unit is one cluster's tile: `unit_tile_m` / `unit_tile_n`
+    are its extents when they differ from the MMA tile's (SM100 and SM90 clusters; default:
+    mma_tiler_mn)."""
     from ..kernels.common import ProblemConfig
 
     mixed = spec.b_dtype != spec.a_dtype
@@ -78,7 +79,7 @@ def problem_config(spec: StaticSpec, schedule: str, unit_tile_m: int = 0):
         ab_dtype=spec.a_dtype.value,
         c_dtype=spec.wgrad_dtype.value,
         tile_m=unit_tile_m or spec.mma_tiler_mn[0],
-        tile_n=spec.mma_tiler_mn[1],
+        tile_n=unit_tile_n or spec.mma_tiler_mn[1],
         cluster_m=spec.cluster_shape_mn[0],
         cluster_n=spec.cluster_shape_mn[1],
         schedule=schedule,
@@ -136,6 +137,7 @@ class CompiledGemm:
         self.spec = spec
         self.num_units = int(kernel.info["num_units"])
         self.workspace_bytes = int(kernel.info["workspace_bytes"])
+        self.cluster_m, self.cluster_n = spec.cluster_shape_mn  # the grid is whole clusters
 
     def launch(self, device: int, stream: int, a: int, b: int, offsets: int, out: int,
                workspace: int, status: int, tokens_sum: int, *scales: int) -> None:
@@ -153,9 +155,15 @@ class CompiledGemm:
 
 
 def grid_size(cfg: Any, device_id: int) -> int:
-    """Persistent grid: one CTA per SM, or fewer when there are fewer units of work
-    (``cfg``: anything with ``num_units``, a kernel config or a CompiledGemm)."""
-    return min(cfg.num_units, _sm_count(device_id))
+    """Persistent grid: one CTA per SM, or fewer when there are fewer units of work; with
+    clusters, whole clusters (``cfg``: a kernel config, with ``num_units`` and the cluster
+    shape)."""
+    size = getattr(cfg, "cluster_m", 1) * getattr(cfg, "cluster_n", 1)
+    if size == 1:
+        return min(cfg.num_units, _sm_count(device_id))
+    # Static unit order per cluster (the SM90 pairs): launch no more clusters than can be
+    # resident at once, or the ones that wait would run their whole share afterwards.
+    return min(cfg.num_units, _max_active_clusters(device_id, size)) * size
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,6 +171,22 @@ def _sm_count(device_id: int) -> int:
     from .. import cuda as gcuda
 
     return gcuda.sm_count(device_id)
+
+
+@functools.lru_cache(maxsize=None)
+def _max_active_clusters(device_id: int, size: int) -> int:
+    """Clusters of ``size`` CTAs (one per SM, all of its shared memory) resident at once: the
+    driver's occupancy answer (the DSL's HardwareInfo), else SMs // size."""
+    fallback = _sm_count(device_id) // size
+    try:
+        from .. import cuda as gcuda
+        import cutlass.utils as cutlass_utils
+
+        with gcuda.on_device(device_id), shielded_argv():
+            found = int(cutlass_utils.HardwareInfo(device_id).get_max_active_clusters(size))
+    except Exception:  # no DSL here, or the query failed: every SM can hold one CTA
+        return fallback
+    return max(1, min(found, fallback))
 
 
 def _sample_arguments(spec: StaticSpec) -> list:
@@ -325,4 +349,6 @@ class CuteDslBackend(Backend):
         try:
             return grid_size(kernel.cfg, device_id)
         except RuntimeError:  # lowering without a GPU (CUTE_DSL_ARCH set)
-            return min(kernel.cfg.num_units, self.SM_COUNT_WITHOUT_GPU.get(spec.arch, 132))
+            size = kernel.cfg.cluster_m * kernel.cfg.cluster_n
+            sms = self.SM_COUNT_WITHOUT_GPU.get(spec.arch, 132)
+            return min(kernel.cfg.num_units, sms // size) * size

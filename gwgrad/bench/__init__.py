@@ -210,15 +210,17 @@ class KernelRunner:
         from gwgrad.plan import PlanCache, compile_spec, plan_for_spec
 
         desc = gwgrad.as_tensor_desc
+        tuning = dict(tuning)
         tiling = {}
         if mma_tiler_mn is not None:
-            tiling = {"mma_tiler_mn": tuple(mma_tiler_mn), "cluster_shape_mn": (1, 1)}
+            tiling = {"mma_tiler_mn": tuple(mma_tiler_mn),
+                      "cluster_shape_mn": tuple(tuning.pop("cluster_shape_mn", (1, 1)))}
         descs = (desc(a, "a_tensor"), desc(b, "b_tensor"), desc(offsets, "offsets_tensor"),
                  desc(out, "wgrad_tensor"))
         self.plan = gwgrad.plan_for(*descs[:3], wgrad=descs[3], accumulate_on_output=accumulate,
                                     **tiling)
         if tuning:
-            operator = compile_spec(dataclasses.replace(self.plan.spec, **dict(tuning)))
+            operator = compile_spec(dataclasses.replace(self.plan.spec, **tuning))
             self.plan = plan_for_spec(operator, *descs, None, PlanCache())
         self.spec = self.plan.spec
         self.tile = tuple(self.spec.mma_tiler_mn)
@@ -646,8 +648,9 @@ def plot(rows: List[Dict], path: str) -> Optional[str]:
 # ----------------------------------------------------------------------------------------
 
 
-#: StaticSpec tuning fields a --tiles entry may set (``MxN:field=value``).
-TUNING_FIELDS = ("raster_group", "epi_tile_n", "epi_buffer_sets")
+#: StaticSpec tuning fields a --tiles entry may set (``MxN:field=value``; ``cluster=MxN``
+#: sets cluster_shape_mn).
+TUNING_FIELDS = ("raster_group", "epi_tile_n", "epi_buffer_sets", "cluster")
 
 
 def parse_tile(s: str) -> Tuple:
@@ -661,13 +664,22 @@ def parse_tile(s: str) -> Tuple:
         if field not in TUNING_FIELDS:
             raise ValueError(f"unknown tuning field {field!r} in {s!r} (known: "
                              f"{', '.join(TUNING_FIELDS)})")
-        tuning.append((field, int(value)))
+        if field == "cluster":
+            cm, cn = value.split("x")
+            tuning.append(("cluster_shape_mn", (int(cm), int(cn))))
+        else:
+            tuning.append((field, int(value)))
     return (int(m), int(n), *tuning)
 
 
 def config_name(cfg: Tuple) -> str:
     """The method name of a parse_tile result: gwgrad_MxN[:field=value...]."""
-    return f"gwgrad_{cfg[0]}x{cfg[1]}" + "".join(f":{f}={v}" for f, v in cfg[2:])
+    def option(field, value):
+        if field == "cluster_shape_mn":
+            return f":cluster={value[0]}x{value[1]}"
+        return f":{field}={value}"
+
+    return f"gwgrad_{cfg[0]}x{cfg[1]}" + "".join(option(f, v) for f, v in cfg[2:])
 
 
 def parser() -> argparse.ArgumentParser:

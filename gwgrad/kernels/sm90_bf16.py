@@ -29,6 +29,15 @@ Warp roles (384 threads, one CTA per SM, persistent):
                               two groups' epilogues overlap too (for short experts, where a
                               unit's epilogue outlasts its mainloop).
 
+Clusters (BF16 only): (1, 1); or a CTA pair, (1, 2) sharing A or (2, 1) sharing B. A unit is
+then the cluster's tile (the prep kernel, the unit order and the descriptors are the 1x1
+kernel's over that tile), each CTA computes its half, and each loads one slice of the shared
+operand by TMA multicast into both CTAs' stages (half the L2 reads of that operand); the `ab`
+pipeline's consumer releases reach both CTAs' producers. Both CTAs must walk the same units:
+pairs take a static persistent order (cluster c: units c, c + clusters, ...; the grid is the
+resident clusters), not the atomic counter. Half a unit past the output (an odd tile count)
+is loaded as zeros and stored nowhere, so the pair stays in step.
+
 Pipelines: `ab` (TMA -> WGMMA, mbarriers with transaction counts), `sched` (unit ids, producer
 warp -> all consumer threads), and the TMA store of the epilogue (bulk async groups).
 
@@ -45,9 +54,10 @@ docs/results/); the offsets check and the skip on invalid offsets (tests/test_st
 default, graph-captured and validate_offsets=False launches write nothing and raise naming
 offsets_tensor). tests/test_compile_sm90.py also asserts the GPU-scope CAS and system-scope fence in the
 prep kernel and the verdict load and branch at the start of this kernel. epi_buffer_sets=2
-(not the default) is compile-verified only so far (PTX: the EPI_ORDER wait and the per-unit
-store drain gone, nothing else); its GPU test is tests/test_sm90_kernel_gpu.py::
-test_pingpong_epilogue_buffer_set_per_group.
+and the (1, 2) / (2, 1) pairs (not the defaults) are compile-verified only so far (PTX: the EPI_ORDER wait and the per-unit
+store drain gone, nothing else; pairs: multicast loads, cluster barriers, no atomic counter);
+their GPU tests: tests/test_sm90_kernel_gpu.py::test_pingpong_epilogue_buffer_set_per_group,
+TestSm90PairSharingA and TestSm90PairSharingB (the whole KernelChecks suite).
 """
 
 # No `from __future__ import annotations`: the shared-storage struct built in launch() needs
@@ -92,9 +102,11 @@ MAX_AB_STAGE = 8
 
 
 def stage_bytes(cfg: ProblemConfig) -> int:
-    """Bytes one A/B pipeline stage holds (the scaled kernel's scales included)."""
-    ab = cfg.tile_k * (cfg.tile_m * cfg.cutlass_ab_dtype.width
-                       + cfg.tile_n * cfg.cutlass_b_dtype.width) // 8
+    """Bytes one A/B pipeline stage of a CTA holds (the scaled kernel's scales included);
+    with a cluster, a CTA's tile is the unit tile over the cluster shape, and its stage
+    receives the whole CTA tile (its own multicast slice and its peer's)."""
+    ab = cfg.tile_k * (cfg.tile_m // cfg.cluster_m * cfg.cutlass_ab_dtype.width
+                       + cfg.tile_n // cfg.cluster_n * cfg.cutlass_b_dtype.width) // 8
     if cfg.scale_recipe:
         from .sm90_fp8 import scale_stage_bytes
 
@@ -132,7 +144,13 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         self.acc_dtype = cutlass.Float32
         self.ab_dtype = cfg.cutlass_ab_dtype
         self.c_dtype = cfg.cutlass_c_dtype
-        self.tile_shape_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
+        # A unit is the cluster's tile; each CTA computes its (cta_m x cta_n) part. A 1x2
+        # cluster multicasts A (both CTAs' tiles share its rows), a 2x1 cluster B.
+        self.cluster_mn = (cfg.cluster_m, cfg.cluster_n)
+        self.cluster_size = cfg.cluster_m * cfg.cluster_n
+        self.cta_m, self.cta_n = cfg.tile_m // cfg.cluster_m, cfg.tile_n // cfg.cluster_n
+        self.num_mcast_a, self.num_mcast_b = cfg.cluster_n, cfg.cluster_m
+        self.tile_shape_mnk = (self.cta_m, self.cta_n, cfg.tile_k)
         self.num_threads = 3 * WARP_GROUP_THREADS  # a producer group, two consumer groups
         self.num_mma_threads = 2 * WARP_GROUP_THREADS
         self.load_regs = 40
@@ -151,8 +169,9 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         epi_stage buffers per set, cfg.epi_buffer_sets sets (pingpong: 2 gives each consumer
         group its own). The A/B ring takes what shared memory the epilogue buffers leave."""
         c_width = cfg.cutlass_c_dtype.width
-        epi_n = min(cfg.epi_tile_n or (64 if c_width == 16 else 32), cfg.tile_n)
-        epi_m = min(64 if cfg.schedule == "pingpong" else 128, cfg.tile_m)
+        cta_m, cta_n = cfg.tile_m // cfg.cluster_m, cfg.tile_n // cfg.cluster_n
+        epi_n = min(cfg.epi_tile_n or (64 if c_width == 16 else 32), cta_n)
+        epi_m = min(64 if cfg.schedule == "pingpong" else 128, cta_m)
         epi_stage = 4 if c_width == 16 else 2
         ab_bytes = stage_bytes(cfg)
         c_bytes = epi_m * epi_n * c_width // 8
@@ -164,31 +183,34 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     def can_implement(cfg: ProblemConfig) -> Optional[Tuple[str, str]]:
         """(argument, detail) of the first reason this kernel cannot run `cfg`, or None."""
         pingpong = cfg.schedule == "pingpong"
-        if cfg.cluster_m != 1 or cfg.cluster_n != 1:
+        cluster = (cfg.cluster_m, cfg.cluster_n)
+        if cluster not in ((1, 1), (1, 2), (2, 1)) or (cfg.scale_recipe and cluster != (1, 1)):
             return ("cluster_shape_mn",
-                    f"the SM90 kernel runs 1x1 clusters, got ({cfg.cluster_m}, {cfg.cluster_n})")
+                    f"the SM90 kernel runs (1, 1), (1, 2) or (2, 1) clusters (the scaled one "
+                    f"(1, 1)), got {cluster}")
+        cta_m, cta_n = cfg.tile_m // cfg.cluster_m, cfg.tile_n // cfg.cluster_n
         # Each consumer warp group's accumulator must fit its registers.
-        acc_per_thread = cfg.tile_m * cfg.tile_n // (128 if pingpong else 256)
+        acc_per_thread = cta_m * cta_n // (128 if pingpong else 256)
         if acc_per_thread > 128:
             return ("mma_tiler_mn",
-                    f"{cfg.tile_m}x{cfg.tile_n} needs {acc_per_thread} accumulator registers per "
+                    f"{cta_m}x{cta_n} needs {acc_per_thread} accumulator registers per "
                     f"thread with the {cfg.schedule} schedule; at most 128 fit")
         rows = (64, 128) if pingpong else (128, 256)
-        if cfg.tile_m not in rows or cfg.tile_n not in (64, 128, 192, 256):
+        if cta_m not in rows or cta_n not in (64, 128, 192, 256):
             return ("mma_tiler_mn",
                     f"{cfg.schedule} tiles are {rows[0]}|{rows[1]} x 64..256, got "
-                    f"{cfg.tile_m}x{cfg.tile_n}")
+                    f"{cta_m}x{cta_n}")
         problem = epi_buffer_sets_problem(cfg.epi_buffer_sets, cfg.schedule)
         if problem is not None:
             return problem
         epi_tile, _, ab_stage = Sm90GroupedWgrad.epilogue_plan(cfg)
-        if cfg.epi_tile_n and (cfg.epi_tile_n % 32 or cfg.tile_n % epi_tile[1]):
+        if cfg.epi_tile_n and (cfg.epi_tile_n % 32 or cta_n % epi_tile[1]):
             return ("epi_tile_n",
-                    f"expected a multiple of 32 that divides the tile's {cfg.tile_n} columns "
+                    f"expected a multiple of 32 that divides the tile's {cta_n} columns "
                     f"(or 0: the default), got {cfg.epi_tile_n}")
         if ab_stage < 2:
             return ("mma_tiler_mn",
-                    f"{cfg.tile_m}x{cfg.tile_n} leaves < 2 pipeline stages in shared memory")
+                    f"{cta_m}x{cta_n} leaves < 2 pipeline stages in shared memory")
         return None
 
     # ------------------------------------------------------------------------------------
@@ -226,7 +248,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             self.b_layout.sm90_mma_major_mode(),
             self.acc_dtype,
             (1, 1, 1) if self.pingpong else (2, 1, 1),
-            tiler_mn=(64, self.cfg.tile_n),
+            tiler_mn=(64, self.cta_n),
         )
 
     def launch(self, a_ptr, b_ptr, offsets_ptr, c_ptr, workspace_ptr, status_ptr, tokens_sum,
@@ -242,11 +264,8 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         a_smem_layout = cute.slice_(self.a_smem_layout_staged, (None, None, 0))
         b_smem_layout = cute.slice_(self.b_smem_layout_staged, (None, None, 0))
         epi_smem_layout = cute.slice_(self.epi_smem_layout_staged, (None, None, 0))
-        tma_atom_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mA, a_smem_layout, (cfg.tile_m, cfg.tile_k)
-        )
-        tma_atom_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mB, b_smem_layout, (cfg.tile_n, cfg.tile_k)
+        (tma_atom_a, tma_tensor_a), (tma_atom_b, tma_tensor_b) = self.load_atoms(
+            mA, mB, a_smem_layout, b_smem_layout
         )
         if cutlass.const_expr(cfg.output_mode == "dense"):
             mC = dense_output_view(cfg, c_ptr)
@@ -283,11 +302,26 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         else:
             kernel = self.kernel_scaled(*args, *scale_sources)
         kernel.launch(
-            grid=(grid_size, 1, 1),
+            grid=(grid_size, 1, 1),  # whole clusters (backends' grid_size)
             block=(self.num_threads, 1, 1),
+            cluster=(self.cluster_size, 1, 1),
             min_blocks_per_mp=1,
             stream=stream,
         )
+
+    def load_atoms(self, a, b, a_smem_layout, b_smem_layout):
+        """The TMA load atoms (and TMA tensors) of A and B over `a` / `b` (the call's views,
+        or one expert's in the prep kernel: the same boxes). The operand a CTA pair shares
+        is multicast: each CTA of the pair loads one slice of it for both."""
+        def atom(x, smem_layout, rows, mcast):
+            op = (cpasync.CopyBulkTensorTileG2SMulticastOp() if mcast > 1
+                  else cpasync.CopyBulkTensorTileG2SOp())
+            kwargs = {"num_multicast": mcast} if mcast > 1 else {}
+            return cpasync.make_tiled_tma_atom(op, x, smem_layout, (rows, self.cfg.tile_k),
+                                               **kwargs)
+
+        return (atom(a, a_smem_layout, self.cta_m, self.num_mcast_a),
+                atom(b, b_smem_layout, self.cta_n, self.num_mcast_b))
 
     def storage_type(self):
         """The kernel's shared-memory struct."""
@@ -314,13 +348,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     # ------------------------------------------------------------------------------------
     @cute.jit
     def expert_load_atoms(self, a_e, b_e, tiled_mma, a_smem_layout, b_smem_layout):
-        cfg = self.cfg
-        atom_a, _ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), a_e, a_smem_layout, (cfg.tile_m, cfg.tile_k)
-        )
-        atom_b, _ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), b_e, b_smem_layout, (cfg.tile_n, cfg.tile_k)
-        )
+        (atom_a, _), (atom_b, _) = self.load_atoms(a_e, b_e, a_smem_layout, b_smem_layout)
         return atom_a, atom_b
 
     # ------------------------------------------------------------------------------------
@@ -371,12 +399,14 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             barrier_storage=storage.ab_mbar.data_ptr(),
             num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # One arrive per consumer warp that reads a stage.
+            # One arrive per consumer warp that reads a stage, in every CTA whose producer
+            # writes into it (the cluster's multicast partners).
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 4 if self.pingpong else 8
+                pipeline.Agent.Thread,
+                (4 if self.pingpong else 8) * (self.num_mcast_a + self.num_mcast_b - 1),
             ),
             tx_count=self.tma_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=self.cluster_layout_vmnk(),
             defer_sync=True,
         )
         sched_pipeline = pipeline.PipelineAsync.create(
@@ -389,7 +419,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         sched_slots = cute.make_tensor(
             storage.sched_slots.data_ptr(), cute.make_layout((4, SCHED_STAGES))
         )
-        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
         sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
@@ -397,7 +427,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner
         )
         smem_scales = self.scale_buffers(all_storage)
-        pipeline_init_wait(cluster_shape_mn=(1, 1))
+        pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
 
         if warp_group_idx == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
@@ -413,6 +443,29 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 ab_pipeline, sched_pipeline, sched_slots, ws, tidx, warp_idx, warp_group_idx - 1,
                 scales, smem_scales,
             )
+
+    def cluster_layout_vmnk(self):
+        """The cluster as (v, m, n, k) CTAs: (1, cluster_m, cluster_n, 1)."""
+        return cute.make_layout((1, *self.cluster_mn, 1))
+
+    @cute.jit
+    def cluster_coord(self):
+        """(this CTA's (v, m, n, k) coordinate in its cluster, the cluster's index, the number
+        of clusters); None, block index, grid size without a cluster."""
+        if cutlass.const_expr(self.cluster_size == 1):
+            return None, Int32(cute.arch.block_idx()[0]), Int32(cute.arch.grid_dim()[0])
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        coord = self.cluster_layout_vmnk().get_flat_coord(rank)
+        return (coord, Int32(cute.arch.block_idx()[0]) // self.cluster_size,
+                Int32(cute.arch.grid_dim()[0]) // self.cluster_size)
+
+    @cute.jit
+    def cta_tile(self, coord, tile_m, tile_n):
+        """The CTA's (m, n) tile of the unit tile (tile_m, tile_n) (unit tiles count cluster
+        tiles; the CTA takes its cluster coordinate's part)."""
+        if cutlass.const_expr(self.cluster_size == 1):
+            return tile_m, tile_n
+        return (tile_m * self.cluster_mn[0] + coord[1], tile_n * self.cluster_mn[1] + coord[2])
 
     # Hooks of the scaled kernel (kernels/sm90_fp8.py); BF16 has no scales.
     def gemm_storage(self, storage):
@@ -433,8 +486,20 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         lane = cute.arch.lane_idx()
         ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
         sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
-        grid = cute.arch.grid_dim()[0]
-        unit = Int32(cute.arch.block_idx()[0])
+        # 1x1: units from the block index, then the atomic counter. A cluster's CTAs must walk
+        # the same units in the same order: a static persistent order (cluster c: units c,
+        # c + clusters, ...), and the shared operand multicast to the pair.
+        coord, unit, grid = self.cluster_coord()
+        a_mask, b_mask = None, None
+        a_part, b_part = (0, cute.make_layout(1)), (0, cute.make_layout(1))
+        if cutlass.const_expr(self.cluster_size > 1):
+            layout = self.cluster_layout_vmnk()
+            if cutlass.const_expr(self.num_mcast_a > 1):
+                a_mask = cpasync.create_tma_multicast_mask(layout, coord, mcast_mode=2)
+                a_part = (coord[2], cute.make_layout(self.num_mcast_a))
+            if cutlass.const_expr(self.num_mcast_b > 1):
+                b_mask = cpasync.create_tma_multicast_mask(layout, coord, mcast_mode=1)
+                b_part = (coord[1], cute.make_layout(self.num_mcast_b))
         # Units are decoded one ahead: the next unit's counter atomic, its workspace reads and
         # its descriptors' acquire + prefetch overlap the current unit's loads, so the TMA
         # ring does not run dry at unit boundaries.
@@ -445,10 +510,12 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         while unit < cfg.num_units:
             self.publish(sched_pipeline, sched_state, sched_slots, unit, expert, k_tiles, lane)
             sched_state.advance()
-            nxt = Int32(0)
-            if lane == 0:
-                nxt = cute.arch.atomic_add(ws.counter.iterator, Int32(1)) + grid
-            nxt = cute.arch.shuffle_sync(nxt, 0)
+            nxt = unit + grid
+            if cutlass.const_expr(self.cluster_size == 1):
+                nxt = Int32(0)
+                if lane == 0:
+                    nxt = cute.arch.atomic_add(ws.counter.iterator, Int32(1)) + grid
+                nxt = cute.arch.shuffle_sync(nxt, 0)
             n_expert, n_tile_m, n_tile_n, n_begin, n_k_tiles = decode_unit(
                 cfg, cutlass.min(nxt, cfg.num_units - 1), ws
             )
@@ -457,10 +524,11 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
 
             desc_a = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_A))
             desc_b = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_B))
-            tAsA, tAgA = self.operand_tiles(tma_atom_a, mA_coord, sA, cfg.tile_m,
-                                            token_origin(begin, cfg.a_ragged_block))
-            tBsB, tBgB = self.operand_tiles(tma_atom_b, mB_coord, sB, cfg.tile_n,
-                                            token_origin(begin, cfg.b_ragged_block))
+            tAsA, tAgA = self.operand_tiles(tma_atom_a, mA_coord, sA, self.cta_m,
+                                            token_origin(begin, cfg.a_ragged_block), a_part)
+            tBsB, tBgB = self.operand_tiles(tma_atom_b, mB_coord, sB, self.cta_n,
+                                            token_origin(begin, cfg.b_ragged_block), b_part)
+            cta_m, cta_n = self.cta_tile(coord, tile_m, tile_n)
             unit_sf = None
             if cutlass.const_expr(scales is not None):
                 unit_sf = self.unit_scale_origin(ws, expert, tile_m, tile_n)
@@ -468,12 +536,12 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 ab_pipeline.producer_acquire(ab_state)
                 bar = ab_pipeline.producer_get_barrier(ab_state)
                 cute.copy(
-                    tma_atom_a, tAgA[(None, tile_m, kt)], tAsA[(None, ab_state.index)],
-                    tma_bar_ptr=bar, tma_desc_ptr=desc_a,
+                    tma_atom_a, tAgA[(None, cta_m, kt)], tAsA[(None, ab_state.index)],
+                    tma_bar_ptr=bar, tma_desc_ptr=desc_a, mcast_mask=a_mask,
                 )
                 cute.copy(
-                    tma_atom_b, tBgB[(None, tile_n, kt)], tBsB[(None, ab_state.index)],
-                    tma_bar_ptr=bar, tma_desc_ptr=desc_b,
+                    tma_atom_b, tBgB[(None, cta_n, kt)], tBsB[(None, ab_state.index)],
+                    tma_bar_ptr=bar, tma_desc_ptr=desc_b, mcast_mask=b_mask,
                 )
                 if cutlass.const_expr(scales is not None):
                     self.load_scales(scales, smem_scales, bar, ab_state.index, unit_sf, kt)
@@ -486,13 +554,15 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         ab_pipeline.producer_tail(ab_state)
 
     @cute.jit
-    def operand_tiles(self, tma_atom, mX_coord, sX, rows: cutlass.Constexpr, k0):
-        """TMA partitions of one operand's (rows x 64) K-blocks, from token coordinate k0."""
+    def operand_tiles(self, tma_atom, mX_coord, sX, rows: cutlass.Constexpr, k0, part):
+        """TMA partitions of one operand's (rows x 64) K-blocks, from token coordinate k0.
+        `part`: (this CTA's coordinate, layout) among the CTAs that multicast it ((0, 1):
+        none)."""
         gX = cute.local_tile(
             cute.domain_offset((0, k0), mX_coord), (rows, self.cfg.tile_k), (None, None)
         )
         return cpasync.tma_partition(
-            tma_atom, 0, cute.make_layout(1),
+            tma_atom, part[0], part[1],
             cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2),
         )
 
@@ -574,7 +644,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         )
 
         if cutlass.const_expr(cfg.output_mode == "dense"):
-            gC = cute.local_tile(mC_coord, (cfg.tile_m, cfg.tile_n, 1), (None, None, None))
+            gC = cute.local_tile(mC_coord, (self.cta_m, self.cta_n, 1), (None, None, None))
         else:
             gC = cute.local_tile(mC_coord, tile_mn, (None, None))
 
@@ -610,9 +680,12 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                         sched_pipeline, sched_state, sched_slots
                     )
 
+        coord, _, _ = self.cluster_coord()
         n_done = Int32(0)
         while expert >= 0:
-            tile_m, tile_n = unit_tile_coords(cfg, unit % cfg.tiles_per_expert)
+            tile_m, tile_n = self.cta_tile(
+                coord, *unit_tile_coords(cfg, unit % cfg.tiles_per_expert)
+            )
             if cutlass.const_expr(self.pingpong):
                 mma_order_self.arrive_and_wait()
             if cutlass.const_expr(scales is None):

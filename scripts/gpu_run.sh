@@ -7,7 +7,8 @@
 #
 # Usage: bash scripts/gpu_run.sh [steps...]
 #   default steps, in this order: tests overhead coldstart bench
-#   also: examples, unrounded (bench with counts not rounded to 256), adapters (kernel time
+#   also: accumulate (bench into FP32 outputs, the main-grad path), tune (gwgrad variants
+#   alone), examples, unrounded (bench with counts not rounded to 256), adapters (kernel time
 #   per adapter), fp8 (bench/fp8.py: the FP8 recipes), qtests (the quantizers' GPU tests),
 #   qbench (bench/quantize.py), fuzz (tests/test_fuzz_gpu.py), sanitize (scripts/sanitize.py),
 #   soak (scripts/soak.py), reliability (the main-grad layer, short soak and two-GPU tests),
@@ -16,7 +17,8 @@
 #
 # Files under $OUT (default /tmp/gwgrad-out; at most 6, one folder): run.log (every step's
 # full output), overhead.json, coldstart.json, bench.json, bench.png, isolated.json
-# (+ bench_unrounded.json / bench_adapters.json for those steps). Stdout: each step's summary.
+# (+ bench_unrounded.json, bench_adapters.json, bench_accumulate.json, bench_tune*.json for
+# those steps). Stdout: each step's summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gwgrad-out}
@@ -87,6 +89,28 @@ for s in $steps; do
       sed -n '/^wrapper\/adapter, worst row/,$p' "$OUT/step.txt" | head -60
       [ $rc -eq 0 ] || tail -5 "$OUT/step.txt"
       done_step bench $rc ;;
+    tune)
+      # A tuning sweep: gwgrad's default and GWGRAD_TUNE_TILES alone, interleaved (no
+      # competitors between their samples: identical configs agree within ~0.3 %, against
+      # +-4 % in the full bench); GWGRAD_TUNE_ACCUMULATE=1 sweeps the FP32 main-grad path.
+      step tune 200 || continue
+      capture "$PY" -m gwgrad bench --gwgrad-only --tiles "${GWGRAD_TUNE_TILES-}" \
+        --rows "${GWGRAD_BENCH_ROWS-}" --rounds ${GWGRAD_BENCH_ROUNDS:-20} --sample-ms 12 \
+        ${GWGRAD_TUNE_ACCUMULATE:+--accumulate} --time-budget $((T > 90 ? T - 30 : T / 2)) \
+        --json "$OUT/bench_tune${GWGRAD_TUNE_ACCUMULATE:+_accumulate}.json" --plot ""
+      tail -4 "$OUT/step.txt"
+      done_step tune $rc ;;
+    accumulate)
+      # The main-grad path: gwgrad accumulating into FP32 vs torch._grouped_mm + add_, and the
+      # HBM roofline on every row (issue #12's FP32 table); same variables as bench.
+      step accumulate 220 || continue
+      capture "$PY" -m gwgrad bench --accumulate --tiles "${GWGRAD_BENCH_TILES-}" \
+        --rows "${GWGRAD_BENCH_ROWS-}" --rounds ${GWGRAD_BENCH_ROUNDS:-20} \
+        --sample-ms 12 --time-budget $((T > 90 ? T - 45 : T / 2)) \
+        --json "$OUT/bench_accumulate.json" --plot ""
+      sed -n '/^wrapper\/adapter, worst row/,$p' "$OUT/step.txt" | head -60
+      [ $rc -eq 0 ] || tail -5 "$OUT/step.txt"
+      done_step accumulate $rc ;;
     tests)
       step tests 200 || continue
       capture "$PY" scripts/gpu_isolated.py --workers 14 --timeout 150 --budget $((T - 8)) \

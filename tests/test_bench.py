@@ -218,6 +218,71 @@ def test_run_row_end_to_end_on_the_cpu():
     assert "check_failed" not in row and set(row["rel_err"]) == {"gwgrad", "adapter", "wrapper"}
 
 
+def test_each_round_starts_one_method_later():
+    names = ["a", "b", "c"]
+    orders = [bench.round_order(names, r) for r in range(6)]
+    assert orders[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert orders[3:] == orders[:3] and bench.round_order([], 4) == []
+    for i in range(3):  # every method in every position equally often
+        assert sorted(order[i] for order in orders) == ["a", "a", "b", "b", "c", "c"]
+
+
+def test_a_gwgrad_only_sweep_times_the_kernel_variants_alone():
+    pytest.importorskip("torch")
+
+    def timer(fns, rounds, sample_ms):
+        assert set(fns) == {"gwgrad_128x256", "gwgrad_128x128"}  # nothing else in between
+        for fn in fns.values():
+            fn()
+        return {name: 1.0 for name in fns}
+
+    row = bench.run_row(SHAPE, "uniform", [(128, 128)], 256, True, rounds=1, sample_ms=1.0,
+                        device="cpu", timer=timer, gwgrad_only=True)
+    assert set(row["methods"]) == {"gwgrad", "gwgrad_128x256", "gwgrad_128x128"}
+    assert row["gwgrad_tuning"]["epi_buffer_sets"] == 1 and "check_failed" not in row
+    assert set(row["rel_err"]) == {"gwgrad"} and "wrapper_over_adapter" not in row
+    assert "wrapper/adapter" not in bench.format_summary(bench.summary([row]))
+
+
+def test_the_accumulate_mode_adds_into_fp32_on_the_cpu():
+    """--accumulate (the main-grad path): every method adds into an FP32 output, the check
+    starts each from the same random init, a path that overwrites instead of adding is
+    flagged, and the roofline counts the FP32 output read and written."""
+    torch = pytest.importorskip("torch")
+
+    def timer(fns, rounds, sample_ms):
+        for fn in fns.values():
+            fn()
+        return {name: 1.0 for name in fns}
+
+    row = bench.run_row(SHAPE, "zipf", [], 256, True, rounds=1, sample_ms=1.0, device="cpu",
+                        timer=timer, accumulate=True)
+    assert row["accumulate"] and "check_failed" not in row
+    assert set(row["rel_err"]) == {"gwgrad", "adapter", "wrapper"}
+    assert all(err < bench.CHECK_TOLERANCE for err in row["rel_err"].values())
+    m, n, t = SHAPE["hidden"], SHAPE["intermediate"], SHAPE["tokens_sum"]
+    e = row["nonempty_experts"]  # an empty expert's FP32 output need not be touched
+    assert 0 < e <= SHAPE["num_experts"]
+    assert row["hbm"]["bytes"] == 2 * (m + n) * t + 2 * 4 * e * m * n
+
+    inp = bench.RowInputs(SHAPE, "uniform", 256, device="cpu", accumulate=True)
+    assert all(o.dtype == torch.float32 for o in inp.outs.values())
+    broken = bench.new_row(SHAPE, "uniform")
+    fns, default = bench.build_methods(inp, [], broken)
+    plain = bench.RowInputs(SHAPE, "uniform", 256, device="cpu").adapter()
+
+    def overwrite():  # the product without the init: what a missing accumulate gives
+        inp.outs["adapter"].copy_(plain().float())
+
+    fns["adapter"] = overwrite
+    bench.check_row(broken, inp, fns, default)
+    assert broken["check_failed"] == ["adapter"]
+    row.update(small_experts=False)  # accumulating, every row shows its roofline share
+    row["hbm"]["fraction"] = {"gwgrad": 0.5}
+    table = bench.format_table([row])
+    assert "accumulating into FP32" in table and "  50%" in table.splitlines()[2]
+
+
 def test_a_tuned_config_runs_its_own_spec_on_the_cpu():
     """--tiles 128x128:epi_buffer_sets=2: the runner's plan is compiled from the default's
     spec with that field replaced, and computes the same result."""

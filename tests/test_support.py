@@ -102,6 +102,36 @@ def test_the_cpu_reference_takes_the_epi_buffer_sets_a_gpu_kernel_runs(tile, set
             finalize_spec(request)
 
 
+@pytest.mark.parametrize("hidden,intermediate,tile,want", [
+    (7168, 4096, None, 2),        # dsv3-fc1: 1792 128x128 tiles per expert, pingpong
+    (2880, 5760, None, 2),        # gptoss-fc1: 1035
+    (2048, 7168, None, 1),        # dsv3-fc2: 896
+    (2048, 1536, None, 1),        # qwen3-30b-fc1: 192
+    (4096, 28672, None, 1),       # mixtral-fc1: the cooperative 128x256 default, one epilogue
+    (7168, 4096, (64, 256), 2),   # a pingpong tile the caller chose, on a large output
+    (7168, 4096, (128, 256), 1),
+])
+def test_the_sm90_default_epilogue_buffer_sets_follow_the_output_size(hidden, intermediate,
+                                                                      tile, want):
+    """SM90 BF16: a set of epilogue buffers per pingpong consumer group from 1024 128x128
+    output tiles per expert (measured: docs/PERF_NOTES.md); a value the caller set stays."""
+    pytest.importorskip("cutlass")
+    import dataclasses
+
+    from gwgrad.backends import finalize_spec
+    from kernel_compile import spec
+
+    request = spec("sm_90a", hidden=hidden, intermediate=intermediate, tile=tile,
+                   cluster=(1, 1) if tile else None)
+    assert finalize_spec(request)[0].epi_buffer_sets == want
+    if want == 2:
+        chosen = dataclasses.replace(request, epi_buffer_sets=1)
+        assert finalize_spec(chosen)[0].epi_buffer_sets == 1
+    for arch in ("sm_100a", "cpu"):  # no consumer groups / the reference: one set
+        other = spec(arch, hidden=hidden, intermediate=intermediate)
+        assert finalize_spec(other)[0].epi_buffer_sets == 1
+
+
 def test_the_grid_is_whole_resident_clusters(monkeypatch):
     """1x1: one CTA per SM (or per unit); pairs: whole clusters, no more than are resident at
     once (the pairs' unit order is static)."""

@@ -89,7 +89,8 @@ def get_backend(spec: StaticSpec) -> Backend:
 
 
 def finalize_spec(spec: StaticSpec) -> Tuple[StaticSpec, Backend]:
-    """Fill the tuning the caller left unset (tiling None, raster group / epilogue width 0)
+    """Fill the tuning the caller left unset (tiling None, raster group / epilogue width /
+    epilogue buffer sets 0)
     with the backend's defaults and check support: a spec this returns compiles."""
     backend = get_backend(spec)
     if spec.mma_tiler_mn is None or spec.cluster_shape_mn is None:
@@ -103,8 +104,8 @@ def finalize_spec(spec: StaticSpec) -> Tuple[StaticSpec, Backend]:
         raster_group, epi_tile_n = backend.default_tuning(spec)
         spec = dataclasses.replace(spec, raster_group=spec.raster_group or raster_group,
                                    epi_tile_n=spec.epi_tile_n or epi_tile_n)
-    if not spec.epi_buffer_sets:  # one set of epilogue staging buffers
-        spec = dataclasses.replace(spec, epi_buffer_sets=1)
+    if not spec.epi_buffer_sets:
+        spec = dataclasses.replace(spec, epi_buffer_sets=backend.default_epi_buffer_sets(spec))
     backend.check_support(spec)
     return spec, backend
 

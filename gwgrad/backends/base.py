@@ -60,6 +60,11 @@ class Backend(abc.ABC):
         """(raster_group, epi_tile_n) for a spec whose caller left them 0."""
         return 16, 64
 
+    def default_epi_buffer_sets(self, spec: StaticSpec) -> int:
+        """Sets of epilogue staging buffers for a (tiled) spec whose caller left it 0: one,
+        the consumer groups take it in turn (kernels without consumer groups have one)."""
+        return 1
+
     def workspace_bytes(self, spec: StaticSpec) -> int:
         return 0
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from ..kernels.tiling import sm90_problem, sm90_schedule
+from ..kernels.tiling import SM90_TILES, sm90_problem, sm90_schedule
 from ..spec import StaticSpec
 from . import _cutedsl
 
 #: 128x128 tiles per expert from which the cooperative 128x256 tile is the default.
 WIDE_OUTPUT_TILES = 4096
+#: 128x128 tiles per expert from which pingpong tiles default to a set of epilogue buffers
+#: per consumer group (spec.epi_buffer_sets=2).
+EPI_SPLIT_TILES = 1024
 
 
 class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
@@ -29,6 +32,20 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         # 16-bit outputs (half the barrier rounds of 32: +2-4% on the H200 rows), 32 for FP32
         # so that the staging buffers leave four A/B stages.
         return 16, (64 if spec.wgrad_dtype.itemsize == 2 else 32)
+
+    def default_epi_buffer_sets(self, spec: StaticSpec):
+        # Pingpong on large outputs: a set of staging buffers per consumer group, so the two
+        # groups' epilogues overlap (no EPI_ORDER hand-off, no store drain per unit), at the
+        # cost of one A/B stage for 16-bit outputs (6 -> 5; FP32 outputs keep 6). Measured on
+        # an H200, gwgrad variants alone, interleaved (docs/PERF_NOTES.md, "epi_buffer_sets"):
+        # +3% on dsv3-fc1 (1792 tiles per expert), -1 to -2% on qwen3-30b-fc1 and
+        # dsv2lite-fc1 (192 and 352 tiles), where the lost stage costs more than the overlap
+        # gives. The cooperative tile runs one epilogue at a time: one set (and a tile this
+        # kernel lacks gets 1 here and its ValueError from check_support).
+        if SM90_TILES.get(tuple(spec.mma_tiler_mn)) != "pingpong":
+            return 1
+        tiles = -(-spec.hidden // 128) * -(-spec.intermediate // 128)
+        return 2 if tiles >= EPI_SPLIT_TILES else 1
 
     def tiling_problem(self, spec: StaticSpec):
         return sm90_problem(spec.mma_tiler_mn, spec.cluster_shape_mn)

@@ -119,6 +119,15 @@ def _error(exc: BaseException) -> str:
 # ----------------------------------------------------------------------------------------
 
 
+def round_order(names: List[str], r: int) -> List[str]:
+    """The methods' order in round ``r``: each round starts one method later, so over the
+    rounds every method takes every position equally often (a fixed order let the position
+    bias a method's time by a few percent on the H200: the first sample of a round follows
+    the round's synchronize)."""
+    shift = r % len(names) if names else 0
+    return names[shift:] + names[:shift]
+
+
 def time_interleaved(fns: Dict[str, object], rounds: int = 12, sample_ms: float = 15.0,
                      warmup: int = 3) -> Dict[str, float]:
     """Median milliseconds per call of each function, sampled round-robin.
@@ -141,8 +150,9 @@ def time_interleaved(fns: Dict[str, object], rounds: int = 12, sample_ms: float 
         torch.cuda.synchronize()
         inner[name] = max(1, min(200, int(sample_ms / max(s.elapsed_time(e), 1e-3))))
     samples = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for r in range(rounds):
+        for name in round_order(list(fns), r):
+            fn = fns[name]
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             for _ in range(inner[name]):
@@ -244,10 +254,14 @@ class KernelRunner:
 
 class RowInputs:
     """One row's tensors: x (tokens, hidden), dy (tokens, intermediate), int32 offsets and a
-    pool of distinct copies of them, one output per gwgrad path and the reference's."""
+    pool of distinct copies of them, one output per gwgrad path and the reference's.
+
+    ``accumulate``: the main-grad path, every method adds into an FP32 output (gwgrad's
+    ``accumulate_on_output=True``; torch: ``torch._grouped_mm`` then ``add_``, the loop
+    ``out[e] += mm``); ``init`` is the value the check starts each output from."""
 
     def __init__(self, shape: Dict, dist: str, multiple: int, device: str = "cuda",
-                 seed: int = 0):
+                 seed: int = 0, accumulate: bool = False):
         import torch
 
         self.hidden, self.intermediate = shape["hidden"], shape["intermediate"]
@@ -266,8 +280,16 @@ class RowInputs:
         self.a, self.b = self.x.t(), self.dy  # M-major A, N-major B: a training step's layout
         self.starts = [0] + _cumsum(self.counts)[:-1]
         out_shape = (self.num_experts, self.hidden, self.intermediate)
-        self.outs = {name: torch.empty(out_shape, device=device, dtype=torch.bfloat16)
-                     for name in ("gwgrad", "adapter", "wrapper", "reference")}
+        self.accumulate = accumulate
+        out_dtype = torch.float32 if accumulate else torch.bfloat16
+        names = ("gwgrad", "adapter", "wrapper", "reference") + (
+            ("grouped_mm",) if accumulate else ())
+        self.outs = {name: torch.zeros(out_shape, device=device, dtype=out_dtype)
+                     for name in names}
+        self.init = None
+        if accumulate:  # what each output holds before the checked call
+            self.init = torch.randn(out_shape, device=device, dtype=torch.float32,
+                                    generator=gen)
         self.dense_out = torch.empty(self.hidden, self.intermediate, device=device,
                                      dtype=torch.bfloat16)
 
@@ -275,15 +297,28 @@ class RowInputs:
     def flops(self) -> float:
         return 2.0 * self.hidden * self.intermediate * self.tokens_sum
 
+    def reset(self, out) -> None:
+        """Before a checked call: NaN (every element must be written), or ``init`` when
+        accumulating (every element must be added to)."""
+        if self.accumulate:
+            out.copy_(self.init)
+        else:
+            out.fill_(float("nan"))
+
     def mm_loop(self):
         import torch
 
         a, b, out = self.a, self.b, self.outs["reference"]
         pairs = list(zip(self.starts, self.counts))
 
-        def loop():
-            for i, (s, c) in enumerate(pairs):
-                torch.mm(a[:, s:s + c], b[s:s + c], out=out[i])
+        if self.accumulate:  # a BF16 product per expert, added into the FP32 output
+            def loop():
+                for i, (s, c) in enumerate(pairs):
+                    out[i].add_(torch.mm(a[:, s:s + c], b[s:s + c]))
+        else:
+            def loop():
+                for i, (s, c) in enumerate(pairs):
+                    torch.mm(a[:, s:s + c], b[s:s + c], out=out[i])
 
         return loop
 
@@ -291,7 +326,8 @@ class RowInputs:
         import gwgrad.adapters.torch as gwt
 
         x, dy, offsets, out, wgrad = self.x, self.dy, self.offsets, self.outs["adapter"], gwt.wgrad
-        return lambda: wgrad(x, dy, offsets, out=out)
+        acc = self.accumulate
+        return lambda: wgrad(x, dy, offsets, out=out, accumulate=acc)
 
     def wrapper(self):
         """The contract's wrapper as a training step calls it: default arguments, x.T taken in
@@ -301,10 +337,11 @@ class RowInputs:
         x, dy, out = self.x, self.dy, self.outs["wrapper"]
         pool = itertools.cycle(self.offsets_pool)
         call = gwgrad.grouped_gemm_wgrad_wrapper_sm100
+        acc = self.accumulate
 
         def wrapper():
             call(a_tensor=x.T, b_tensor=dy, sfa_tensor=None, sfb_tensor=None,
-                 offsets_tensor=next(pool), wgrad_tensor=out)
+                 offsets_tensor=next(pool), wgrad_tensor=out, accumulate_on_output=acc)
 
         return wrapper
 
@@ -312,6 +349,9 @@ class RowInputs:
         import torch
 
         a, b, offsets = self.a, self.b, self.offsets
+        if self.accumulate:  # what a torch user adds into FP32 main grads; returns them
+            out = self.outs["grouped_mm"]
+            return lambda: out.add_(torch._grouped_mm(a, b, offs=offsets))
         return lambda: torch._grouped_mm(a, b, offs=offsets)
 
     def dense(self):
@@ -337,9 +377,11 @@ class CopyBuffers:
 
 
 def build_methods(inp: RowInputs, configs: List, row: Dict,
-                  copy: Optional[CopyBuffers] = None):
+                  copy: Optional[CopyBuffers] = None, gwgrad_only: bool = False):
     """The row's callables by method name, and gwgrad's default KernelRunner (None if it
-    failed). A method that cannot be built gets ``{"error": ...}`` in ``row["methods"]``."""
+    failed). A method that cannot be built gets ``{"error": ...}`` in ``row["methods"]``.
+    ``gwgrad_only``: the kernel variants alone (a tuning sweep: nothing else shares the GPU's
+    power budget between their samples)."""
     import torch
 
     fns: Dict[str, Callable[[], object]] = {}
@@ -353,8 +395,13 @@ def build_methods(inp: RowInputs, configs: List, row: Dict,
 
     default = None
     try:
-        default = KernelRunner(inp.a, inp.b, inp.offsets, inp.outs["gwgrad"])
+        default = KernelRunner(inp.a, inp.b, inp.offsets, inp.outs["gwgrad"],
+                               accumulate=inp.accumulate)
         row["gwgrad_config"] = list(default.tile)
+        spec = default.spec
+        row["gwgrad_tuning"] = {"cluster_shape_mn": list(spec.cluster_shape_mn),
+                                "raster_group": spec.raster_group, "epi_tile_n": spec.epi_tile_n,
+                                "epi_buffer_sets": spec.epi_buffer_sets}
         fns["gwgrad_{}x{}".format(*default.tile)] = default
     except Exception as exc:  # noqa: BLE001
         meth["gwgrad"] = {"error": _error(exc)}
@@ -362,7 +409,10 @@ def build_methods(inp: RowInputs, configs: List, row: Dict,
         name = config_name(cfg)
         if name not in fns:  # a tile this shape cannot use is recorded as an error
             add(name, lambda: KernelRunner(inp.a, inp.b, inp.offsets, inp.outs["gwgrad"],
-                                           mma_tiler_mn=cfg[:2], tuning=tuple(cfg[2:])))
+                                           mma_tiler_mn=cfg[:2], accumulate=inp.accumulate,
+                                           tuning=tuple(cfg[2:])))
+    if gwgrad_only:
+        return fns, default
     add("adapter", inp.adapter)
     add("wrapper", inp.wrapper)
     if inp.device.type == "cuda" and hasattr(torch, "_grouped_mm") and inp.multiple % 16 == 0:
@@ -415,7 +465,11 @@ def summarize(row: Dict, times: Dict[str, float], copy_bytes: int = 0) -> Dict:
         row["wrapper_over_adapter"] = ms("adapter") / ms("wrapper")
     if ms("adapter") and ms("gwgrad"):
         row["adapter_over_gwgrad"] = ms("gwgrad") / ms("adapter")
-    hbm = {"bytes": hbm_bytes(m, n, row["num_experts"], t)}
+    # Accumulating: the FP32 outputs of the experts with tokens, read and written (an empty
+    # expert's need not be touched); otherwise every expert's output is written (zeros).
+    acc = bool(row.get("accumulate"))
+    experts = row.get("nonempty_experts", row["num_experts"]) if acc else row["num_experts"]
+    hbm = {"bytes": hbm_bytes(m, n, experts, t, out_bytes=4 if acc else 2, accumulate=acc)}
     if ms("copy") and copy_bytes:
         bandwidth = copy_bandwidth(copy_bytes, ms("copy"))
         hbm["copy_gbps"] = bandwidth / 1e9
@@ -436,8 +490,9 @@ def _rel_err(got, want, rows=None) -> float:
 
 def check_row(row: Dict, inp: RowInputs, fns: Dict[str, Callable[[], object]],
               default: Optional[KernelRunner]) -> None:
-    """Each gwgrad path (kernel, adapter, wrapper) into a NaN-filled output, against the
-    per-expert cuBLAS loop (FP32 accumulation); torch._grouped_mm against it too."""
+    """Each gwgrad path (kernel, adapter, wrapper) into a NaN-filled output (accumulating:
+    into ``inp.init``), against the per-expert cuBLAS loop (FP32 accumulation); and
+    torch._grouped_mm (+ add) against it too."""
     import torch
 
     import gwgrad
@@ -446,6 +501,7 @@ def check_row(row: Dict, inp: RowInputs, fns: Dict[str, Callable[[], object]],
     errs = row["rel_err"] = {}
     ref = inp.outs["reference"]
     try:
+        inp.reset(ref)
         inp.mm_loop()()
         sync()
     except Exception as exc:  # noqa: BLE001
@@ -457,7 +513,7 @@ def check_row(row: Dict, inp: RowInputs, fns: Dict[str, Callable[[], object]],
             continue
         out = inp.outs[name]
         try:
-            out.fill_(float("nan"))
+            inp.reset(out)
             fn()
             sync()
             gwgrad.check_errors()  # a device-side offsets check that failed
@@ -468,6 +524,8 @@ def check_row(row: Dict, inp: RowInputs, fns: Dict[str, Callable[[], object]],
     if "torch_grouped_mm" in fns and "error" not in row["methods"].get("torch_grouped_mm", {}):
         try:  # experts without tokens: whatever _grouped_mm leaves there is not compared
             nonempty = torch.tensor([c > 0 for c in inp.counts], device=ref.device)
+            if inp.accumulate:
+                inp.reset(inp.outs["grouped_mm"])
             grouped = fns["torch_grouped_mm"]()
             errs["torch_grouped_mm"] = _rel_err(grouped, ref, nonempty)
             if "gwgrad" in errs:
@@ -493,16 +551,19 @@ def new_row(shape: Dict, dist: str) -> Dict:
 def run_row(shape: Dict, dist: str, configs: List, multiple: int, check: bool,
             copy: Optional[CopyBuffers] = None, rounds: int = 10,
             sample_ms: float = 12.0, device: str = "cuda",
-            timer: Optional[Callable] = None) -> Dict:
+            timer: Optional[Callable] = None, accumulate: bool = False,
+            gwgrad_only: bool = False) -> Dict:
     """One row: inputs, every method, timed together, summarized and cross-checked.
     (``device="cpu"`` with a ``timer`` stand-in checks the wiring without a GPU.)"""
     import torch
 
     on_gpu = device != "cpu"
     row = new_row(shape, dist)
-    inp = RowInputs(shape, dist, multiple, device=device)
-    row.update(max_count=max(inp.counts), min_count=min(inp.counts))
-    fns, default = build_methods(inp, configs, row, copy)
+    row["accumulate"] = accumulate
+    inp = RowInputs(shape, dist, multiple, device=device, accumulate=accumulate)
+    row.update(max_count=max(inp.counts), min_count=min(inp.counts),
+               nonempty_experts=sum(1 for c in inp.counts if c > 0))
+    fns, default = build_methods(inp, configs, row, None if gwgrad_only else copy, gwgrad_only)
     times = time_methods(fns, row["methods"], rounds=rounds, sample_ms=sample_ms, timer=timer,
                          sync=torch.cuda.synchronize if on_gpu else (lambda: None))
     summarize(row, times, copy.nbytes if copy is not None else 0)
@@ -536,7 +597,8 @@ def format_table(rows: List[Dict]) -> str:
             return f"{v:{width}.2f}" if v is not None else f"{'-':>{width}}"
 
         frac = r.get("hbm", {}).get("fraction", {}).get("gwgrad")
-        hbm = f"{100 * frac:4.0f}%" if frac is not None and r.get("small_experts") else f"{'-':>5}"
+        shown = r.get("small_experts") or r.get("accumulate")
+        hbm = f"{100 * frac:4.0f}%" if frac is not None and shown else f"{'-':>5}"
         tile = "x".join(map(str, r.get("gwgrad_config", []))) or "-"
         if "error" in r:
             check = "ERR"
@@ -557,6 +619,11 @@ def format_table(rows: List[Dict]) -> str:
                  "gwgrad / competitor (> 1: gwgrad faster); HBM%%: share of the HBM roofline "
                  "(bytes / measured copy bandwidth), rows with many small experts)"
                  % WRAPPER_TARGET)
+    if any(r.get("accumulate") for r in rows):
+        lines.append("(accumulating into FP32 outputs, the main-grad path: gwgrad "
+                     "accumulate_on_output=True; grp_mm: torch._grouped_mm + add_, mm_loop: "
+                     "out[e] += mm per expert; dense: one BF16 GEMM of equal FLOPs, no "
+                     "output read; HBM%: every row, the output read and written in FP32)")
     return "\n".join(lines)
 
 
@@ -567,6 +634,7 @@ def summary(rows: List[Dict]) -> Dict:
     copies = [r["methods"]["copy"]["gbps"] for r in rows if "gbps" in r["methods"].get("copy", {})]
     out = {
         "rows": len(rows),
+        "accumulate": any(r.get("accumulate") for r in rows),
         "wrapper_over_adapter_min": min(wa) if wa else None,
         "wrapper_target": WRAPPER_TARGET,
         "wrapper_target_met": bool(wa) and min(wa) >= WRAPPER_TARGET and len(wa) == len(rows),
@@ -585,14 +653,16 @@ def summary(rows: List[Dict]) -> Dict:
 def format_summary(s: Dict) -> str:
     lines = []
     wa = s.get("wrapper_over_adapter_min")
-    lines.append(f"wrapper/adapter, worst row: {'-' if wa is None else f'{wa:.3f}'} "
-                 f"(target >= {s['wrapper_target']:.2f}: "
-                 f"{'met' if s['wrapper_target_met'] else 'NOT met'})")
+    if wa is not None:  # (a --gwgrad-only sweep times no wrapper)
+        lines.append(f"wrapper/adapter, worst row: {wa:.3f} "
+                     f"(target >= {s['wrapper_target']:.2f}: "
+                     f"{'met' if s['wrapper_target_met'] else 'NOT met'})")
     if s.get("copy_gbps_median"):
         lines.append(f"copy bandwidth (read + write, median over rows): "
                      f"{s['copy_gbps_median']:.0f} GB/s")
+    mode = ", FP32 accumulate" if s.get("accumulate") else ""
     for key, frac in s.get("hbm_fraction_small_experts", {}).items():
-        lines.append(f"HBM roofline reached, {key}: {100 * frac:.1f}%")
+        lines.append(f"HBM roofline reached, {key}{mode}: {100 * frac:.1f}%")
     if s.get("check_failed"):
         lines.append("CHECK FAILED: " + ", ".join(s["check_failed"]))
     for e in s.get("errors", [])[:20]:
@@ -635,7 +705,9 @@ def plot(rows: List[Dict], path: str) -> Optional[str]:
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(labels, fontsize=6)
     ax.set_ylabel("TFLOP/s")
-    ax.set_title("grouped weight gradient (BF16, M-major A, N-major B)")
+    acc = any(r.get("accumulate") for r in rows)
+    ax.set_title("grouped weight gradient (BF16, M-major A, N-major B"
+                 + (", accumulated into FP32)" if acc else ")"))
     ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -694,6 +766,12 @@ def parser() -> argparse.ArgumentParser:
                         "128x128:epi_buffer_sets=2" % ", ".join(TUNING_FIELDS))
     p.add_argument("--unrounded", action="store_true",
                    help="counts not rounded to 256 (torch._grouped_mm is skipped)")
+    p.add_argument("--accumulate", action="store_true",
+                   help="the main-grad path: every method adds into an FP32 output (gwgrad "
+                        "accumulate_on_output=True against torch._grouped_mm + add_)")
+    p.add_argument("--gwgrad-only", action="store_true",
+                   help="time gwgrad's default and --tiles variants alone (a tuning sweep: no "
+                        "competitors, adapters or copy between their samples)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness cross-check")
     p.add_argument("--rounds", type=int, default=10, help="interleaved rounds per row")
     p.add_argument("--sample-ms", type=float, default=12.0, help="milliseconds per sample")
@@ -751,7 +829,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     device = torch.cuda.get_device_name()
     print(f"device: {device}  torch {torch.__version__}  gwgrad {gwgrad.__version__}", flush=True)
     payload = {"device": device, "torch": torch.__version__, "gwgrad": gwgrad.__version__,
-               "unrounded": args.unrounded,
+               "unrounded": args.unrounded, "accumulate": args.accumulate,
+               "gwgrad_only": args.gwgrad_only,
                "settings": {"rounds": args.rounds, "sample_ms": args.sample_ms,
                             "tiles": args.tiles, "copy_gib": args.copy_gib,
                             "offsets_pool": OFFSETS_POOL},
@@ -777,7 +856,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         start = time.time()
         try:
             row = run_row(shape, dist, tiles, multiple, not args.no_check, copy,
-                          rounds=args.rounds, sample_ms=args.sample_ms)
+                          rounds=args.rounds, sample_ms=args.sample_ms,
+                          accumulate=args.accumulate, gwgrad_only=args.gwgrad_only)
         except Exception as exc:  # noqa: BLE001 - one row must not stop the others
             row = new_row(shape, dist)
             row["error"] = _error(exc)

@@ -15,7 +15,7 @@ uint32 NumPy operations, the funnel shifts written out.
 Default: every positive pattern whose exponent field is within 2 of E2M1's range (0.25 .. 6:
 fields 123..131), plus random patterns of both signs and every exponent (zeros, subnormals,
 Inf) and of the near range; < 10 s. ``GWGRAD_E2M1_FULL=1``: all 2**32 patterns (NaNs: the kernel never rounds a NaN
-product on the fast path, see ``e2m1x8``), chunked, ~2 minutes on one core; with
+product on the fast path, see ``e2m1x8``), chunked, ~4 minutes of CPU (6 wall here); with
 ``GWGRAD_E2M1_FULL=encode`` each chunk is also compared with ``formats.encode`` itself (~15
 minutes on one core)."""
 

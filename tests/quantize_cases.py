@@ -26,3 +26,17 @@ def special_values(rng, tokens: int, channels: int, *, specials: bool = True,
             x[:32, 1] = 0.0
             x[32:64, 2] = 1e-39
     return x
+
+
+def tiny_expert_values(rng, tokens: int, channels: int) -> np.ndarray:
+    """float64 ``(tokens, channels)`` BF16 values of an NVFP4 expert so small (~2**-130, BF16
+    denormals) that its global scale is an FP32 denormal and ``1 / (scale * g)``, the blocks'
+    multiplier, overflows to +Inf: ``x * Inf`` is +-Inf (code 7 with the sign) but NaN (code
+    0, no sign) for +-0, which this input holds in every channel. The FP4 quantizer's fast
+    path cannot round a NaN product; these blocks take its per-value path."""
+    x = rng.standard_normal((tokens, channels)) * 2.0 ** -130
+    x[::5] = 0.0
+    x[2::7] = -0.0
+    bits = x.astype(np.float32).view(np.uint32)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # to BF16, nearest even
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)

@@ -97,8 +97,46 @@ def test_conversions(ptx_of, fmt, elem, arch):
         # E4M3 scale codes, and their values back through FP16 (exact)
         assert cvts == {"e4m3x2"}, cvts
         assert "cvt.rn.f16x2.e4m3x2" in ptx
-    else:  # MXFP4: E2M1 codes by integer rounding of the FP32 bits
+    else:  # MXFP4: E2M1 codes in software (no E2M1 cvt before sm_100a)
         assert not cvts, cvts
+
+
+def instructions(body):
+    """The instructions of a kernel body (no directives, labels, braces or comments)."""
+    lines = (line.strip() for line in body.splitlines())
+    return [line for line in lines if line and ";" in line and not line.startswith(
+        ("//", ".", "{", "}", "$")) and not line.endswith(":")]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fmt,elem", CASES)
+def test_values_from_bf16_by_prmt(ptx_of, fmt, elem, arch):
+    """Each of a thread's 32 values is its BF16 half of a shared word moved to the top by one
+    ``prmt`` (zeros below)."""
+    _, _, quant = kernels_of(ptx_of(fmt, elem, arch))
+    assert len(re.findall(r"\bprmt\.b32\b", quant)) == 32
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fp4_fast_path(ptx_of, fmt, arch):
+    """E2M1 codes by e2m1x8 (tests/test_e2m1_rounding.py emulates it on every FP32 pattern):
+    per value min / max / fma on FP32 and two funnel shifts (codes, signs), no per-value NaN
+    test. MXFP4 has no other path (its finite blocks' products are finite); NVFP4 keeps the
+    per-value e2m1_code for blocks with an infinite multiplier (one fma each). The whole
+    quantizing kernel stays within 6 PTX instructions a value of MXFP8's (it was 20)."""
+    _, _, quant = kernels_of(ptx_of(fmt, "e2m1", arch))
+    count = {op: len(re.findall(rf"^\s*{re.escape(op)}\s", quant, re.M))
+             for op in ("shf.r.wrap.b32", "shf.l.wrap.b32", "min.f32", "max.f32", "abs.f32",
+                        "fma.rn.f32", "lop3.b32")}
+    assert count["shf.r.wrap.b32"] == count["shf.l.wrap.b32"] == 32, count
+    assert count["min.f32"] == count["max.f32"] == count["abs.f32"] == 32, count
+    assert count["lop3.b32"] == 4, count  # one per word: the signs into the codes
+    assert count["fma.rn.f32"] == (32 if fmt == "mxfp4" else 64), count
+    if fmt == "mxfp4":
+        _, _, fp8 = kernels_of(ptx_of("mxfp8", "e4m3", arch))
+        extra = len(instructions(quant)) - len(instructions(fp8))
+        assert extra <= 6 * 32, extra
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 import gwgrad  # noqa: E402
 from gwgrad import quantizers as Q  # noqa: E402
 from gwgrad import scales as S  # noqa: E402
-from quantize_cases import special_values  # noqa: E402
+from quantize_cases import special_values, tiny_expert_values  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -161,6 +161,20 @@ def test_many_experts_large(rng, fmt, elem, experts):
     rng.shuffle(counts)
     x, values = bf16_input(rng, int(counts.sum()), 1024, specials=False)
     run_and_compare(x, values, np.cumsum(counts), fmt, elem)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_tiny_expert(rng, fmt):
+    """An expert of BF16 denormals and +-0 beside normal ones: NVFP4's blocks get an infinite
+    multiplier (0 * Inf is NaN, code 0: the quantizer's per-value path, not the fast one);
+    MXFP4's the largest scale (2**127)."""
+    counts = np.array([64, 96, 32])
+    channels = 136
+    values = special_values(rng, int(counts.sum()), channels, specials=False)
+    values[64:160] = tiny_expert_values(rng, 96, channels)
+    xt = torch.from_numpy(values.astype(np.float32)).bfloat16()
+    values = xt.double().numpy()
+    run_and_compare(xt.cuda(), values, np.cumsum(counts), fmt, "e2m1")
 
 
 @pytest.mark.parametrize("fmt,elem", CASES)

@@ -26,11 +26,11 @@ dropped (the GEMM's device check then reports ``SCALES_TOO_SMALL``).
 
 Threads (256): the x tile is staged in shared memory with 16-byte loads (8 threads per
 128-byte token row); thread (quarter q, channel c) then reads channel c of tokens 32q..32q+31,
-computes the amax of its 32 (or 2x16) values as integers on the BF16 bits (a block holding
-NaN or Inf gets an amax at or past Inf's bits, and forced codes), converts them with the block's scale (FP32 ``mul.rn`` / ``div.rn`` in inline PTX,
-never flushing denormals; FP8 by ``cvt.rn.satfinite``, E2M1 by integer rounding of the FP32
-bits) into a
-shared code tile, which is stored as 16-byte vectors, 8 (FP8) or 4 (FP4) threads per channel
+takes each value as FP32 bits with one ``prmt`` (its BF16 half of the shared word), computes the
+amax of its 32 (or 2x16) values as integers on the BF16 bits (a block holding NaN or Inf gets an
+amax at or past Inf's bits, and forced codes), converts them with the block's scale (FP32
+``mul.rn`` / ``div.rn`` in inline PTX, never flushing denormals; FP8 by ``cvt.rn.satfinite``,
+E2M1 by ``e2m1x8``, below) into a shared code tile, which is stored as 16-byte vectors, 8 (FP8) or 4 (FP4) threads per channel
 row segment. Shared rows are padded by one word (no bank conflicts either way). 1x128 and
 per-channel amaxes are combined across the four quarters in shared memory.
 
@@ -41,8 +41,23 @@ NVFP4, into the uint32 workspace (non-negative float bits order as integers; a n
 value records Inf's bits or more); then the quantizing kernel reads the amaxes. Empty experts
 get scale 1.0 (per_expert_channel) and global scale 1.0 (NVFP4) from the CTAs of tile row 0.
 
+E2M1 (MXFP4, NVFP4; SM90 has no E2M1 cvt): ``e2m1x8`` rounds eight products into one word with
+FP32 min / max / fma and two funnel shifts a value (saturate ``t = min(|q|, 6)``; ``E`` the power
+of two of ``max(t, 1)``; ``fma(t, 2**-22, E)`` is ``E`` plus ``rint(2t / E)`` ulps, the code
+being that count plus twice E's exponent, read off the bits with one shift-add; the signs are
+the values' top bits): 10 PTX / 8 SASS instructions a value, 3 more a word; the per-value
+``e2m1_code`` path took ~17 SASS (sm_90a: conversion 548 -> 266 SASS for 32 values).
+It has no per-value NaN test: a finite MXFP4 block's products are finite (``|q| < 8``) and
+non-finite blocks are forced to code 0; NVFP4's products are NaN only for ``0 * Inf``, when
+``1 / (scale * g)`` overflows (a subnormal global scale), and those blocks (a uniform branch per
+word) take ``e2m1_code``, which rounds NaN to 0.
+
 Verified: compile and PTX checks for sm_90a and sm_100a (tests/test_compile_quantize.py);
-bit-exact against gwgrad.formats on an H200 (tests/test_quantize_gpu.py).
+the E2M1 arithmetic of ``e2m1x8`` emulated in NumPy on all 2**32 FP32 bit patterns against
+gwgrad.formats (tests/test_e2m1_rounding.py, GWGRAD_E2M1_FULL=1). Bit-exact against
+gwgrad.formats on an H200 (tests/test_quantize_gpu.py) before the e2m1x8 / prmt change; the
+new code is compile- and emulation-verified only, pending an H200 run of
+tests/test_quantize_gpu.py and ``python -m gwgrad.bench.quantize``.
 """
 
 from __future__ import annotations
@@ -193,6 +208,13 @@ def ld_global_v4(address: Int64):
     return [Int32(llvm.extractvalue(T.i32(), words, [i])) for i in range(4)]
 
 
+def bf16_to_f32(word: Int32, select: Int32) -> Int32:
+    """FP32 bits of one BF16 half of ``word``: ``prmt`` with ``select`` 0x1044 (the low half)
+    or 0x3244 (the high half), zeros below."""
+    return Int32(_asm(T.i32(), [Int32(word), Int32(select)], "prmt.b32 $0, $1, 0, $2;",
+                      "=r,r,r"))
+
+
 def st_global_v4(address: Int64, w0: Int32, w1: Int32, w2: Int32, w3: Int32) -> None:
     """Four words to a 16-byte aligned global address."""
     _asm(None, [Int64(address), Int32(w0), Int32(w1), Int32(w2), Int32(w3)],
@@ -246,13 +268,65 @@ def e2m1_code(q: Int32) -> Int32:
     """E2M1 code (4 bits) of an FP32 value (bits): nearest, ties to even, saturating to 6;
     NaN gives 0. From 1 up the FP32 mantissa is rounded to one bit on the integer bits (a
     carry moves into the exponent; codes past 7 saturate); below 1 the codes 0, 1, 2 are
-    ``2|q|`` rounded to an integer (``2|q| + 2**23`` in FP32)."""
+    ``2|q| + 2**23`` in FP32 rounded to an integer. The per-value reference of the fast path
+    (``e2m1x8``), kept for NVFP4's blocks with an infinite multiplier (where ``0 * Inf`` is
+    NaN); ~20 integer operations a value."""
     a = q & 0x7FFFFFFF
     rounded = (a + 0x1FFFFF + ((a >> 22) & 1)) >> 22
     code = cutlass.min(rounded - 252, 7)
     small = f32_fma(a, Int32(0x40000000), Int32(0x4B000000)) - 0x4B000000
     code = code + Int32(a < 0x3F800000) * (small - code)
     return (code | ((q >> 28) & 8)) * Int32(a <= NONFINITE)
+
+
+#: E2M1 rounding constants of ``e2m1x8`` (FP32, PTX hex): 6.0 (saturation), 1.0 (the smallest
+#: binade with a one-bit mantissa; below it the step stays 0.5), 2**-22 (``t * 2**-22`` on the
+#: grid of ``E``'s ulp, ``E * 2**-23``, is ``2t / E`` ulps).
+E2M1_SAT, E2M1_ONE, E2M1_SCALE = "0f40C00000", "0f3F800000", "0f34800000"
+
+
+def e2m1x8(v, mult: Int32) -> Int32:
+    """Eight FP32 values (bits, ``v[0]`` to the low nibble) times ``mult`` as one word of E2M1
+    codes, bit-exact with ``e2m1_code(f32_mul(v[k], mult))`` whenever the product is not NaN
+    (``mult`` positive; a NaN product only comes from a NaN / Inf value, whose block is forced,
+    or from ``0 * Inf``: NVFP4's blocks with an infinite multiplier, which take e2m1_code).
+    Per value (SASS: FMUL, 2 FMNMX, LOP3, FFMA, LEA.HI, 2 SHF):
+
+        q = v * mult                      mul.rn (the model's product)
+        t = min(|q|, 6)                   saturation (Inf too); the abs folds into FMNMX
+        E = max(t, 1) & 0x7F800000        the power of two of t's binade, 1 below 1
+        r = fma(t, 2**-22, E)             = E + k ulps of E, k = rint(2t / E) (one rounding,
+                                          ties to even: E's mantissa is 0): round(2t) below 2,
+                                          round(t) in [2, 4), round(t / 2) in [4, 6]
+        c = r + (r >> 22)                 low byte: k + 2 * (127 + e') = 254 + code (E = 2**e',
+                                          code = k + 2e' <= 7): low 3 bits code + 6 (mod 8)
+        codes = (c:codes) >> 4            funnel shift: c's low nibble enters at the top
+        signs = (signs:v) << 4            funnel shift: v's top nibble (the sign in its bit 3)
+                                          enters at the bottom (values taken 7 down to 0)
+
+    and per word ``((codes & 0x77777777) + 0x22222222)`` (each nibble's low 3 bits + 2: the
+    code; the carry stays in the nibble's bit 3), its bit 3s replaced by the signs. 10 PTX
+    (8 SASS) instructions a value against ~24 (~17) for ``e2m1_code``, its multiply and its
+    packing.
+    tests/test_e2m1_rounding.py checks this arithmetic on every FP32 bit pattern."""
+    body = ["{", ".reg .f32 q, t;", ".reg .b32 e, r, c, x, codes, signs;",
+            "mov.b32 codes, 0;", "mov.b32 signs, 0;"]
+    for k in range(8):
+        body += [f"mul.rn.f32 q, ${k + 1}, $9;",
+                 "abs.f32 q, q;",
+                 f"min.f32 t, q, {E2M1_SAT};",
+                 f"max.f32 e, t, {E2M1_ONE};",
+                 "and.b32 e, e, 0x7F800000;",
+                 f"fma.rn.f32 r, t, {E2M1_SCALE}, e;",
+                 "shr.u32 x, r, 22;",
+                 "add.u32 c, r, x;",
+                 "shf.r.wrap.b32 codes, codes, c, 4;"]
+    for k in reversed(range(8)):
+        body.append(f"shf.l.wrap.b32 signs, ${k + 1}, signs, 4;")
+    body += ["and.b32 codes, codes, 0x77777777;", "add.u32 codes, codes, 0x22222222;",
+             "lop3.b32 $0, codes, signs, 0x88888888, 0xD8;", "}"]
+    return Int32(_asm(T.i32(), [Int32(x) for x in v] + [Int32(mult)], "\n\t".join(body),
+                      "=r," + ",".join(["r"] * 9)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -585,10 +659,11 @@ class GroupedQuantizer:
         cute.arch.sync_threads()
         # This thread's column: FP32 bits of channel c_local, tokens 32 q .. 32 q + 31.
         vals = cute.make_rmem_tensor(TOKENS_PER_THREAD, Int32)
-        shift = 16 * (1 - c_local % 2)  # the even channel is the low half of its word
+        # The even channel is the low half of its word: one prmt moves the half to the top.
+        select = Int32(0x1044) + Int32(0x2200) * (c_local % 2)
         for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
             word = xs[(quarter * TOKENS_PER_THREAD + i) * X_ROW_WORDS + c_local // 2]
-            vals[i] = (word << shift) & Int32(-65536)
+            vals[i] = bf16_to_f32(word, select)
 
         # Block amaxes of the magnitudes' bits (NONFINITE when a block holds NaN / Inf).
         group = TOKENS_PER_THREAD if cfg.sf_vec != 16 else 16
@@ -704,16 +779,22 @@ class GroupedQuantizer:
         words_per_thread = TOKENS_PER_THREAD // tokens_per_word
         for w in cutlass.range_constexpr(words_per_thread):
             g = (w * tokens_per_word) // group
-            qv = cute.make_rmem_tensor(tokens_per_word, Int32)
-            for k in cutlass.range_constexpr(tokens_per_word):
-                qv[k] = f32_mul(vals[w * tokens_per_word + k], mult[g])
             if cutlass.const_expr(fp4):
-                word = Int32(0)
-                for k in cutlass.range_constexpr(tokens_per_word):
-                    word = word | (e2m1_code(qv[k]) << (4 * k))
+                word = e2m1x8([vals[w * 8 + k] for k in range(8)], mult[g])
+                if cutlass.const_expr(cfg.nvfp4):
+                    # An infinite multiplier (1 / a subnormal scale * g): 0 * Inf is NaN,
+                    # whose code is 0 (the sign of -0 dropped): the per-value path.
+                    if mult[g] == NONFINITE:
+                        word = Int32(0)
+                        for k in cutlass.range_constexpr(8):
+                            word = word | (e2m1_code(f32_mul(vals[w * 8 + k], mult[g]))
+                                           << (4 * k))
                 if forced[g] != 0:
                     word = Int32(0)
             else:
+                qv = cute.make_rmem_tensor(tokens_per_word, Int32)
+                for k in cutlass.range_constexpr(tokens_per_word):
+                    qv[k] = f32_mul(vals[w * tokens_per_word + k], mult[g])
                 word = fp8x4(qv[0], qv[1], qv[2], qv[3], cfg.elem)
                 if forced[g] != 0:
                     word = Int32(0x7F7F7F7F)

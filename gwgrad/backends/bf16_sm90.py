@@ -34,15 +34,16 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         return 16, (64 if spec.wgrad_dtype.itemsize == 2 else 32)
 
     def default_epi_buffer_sets(self, spec: StaticSpec):
-        # Pingpong on large outputs: a set of staging buffers per consumer group, so the two
-        # groups' epilogues overlap (no EPI_ORDER hand-off, no store drain per unit), at the
-        # cost of one A/B stage for 16-bit outputs (6 -> 5; FP32 outputs keep 6). Measured on
-        # an H200, gwgrad variants alone, interleaved (docs/PERF_NOTES.md, "epi_buffer_sets"):
-        # +3% on dsv3-fc1 (1792 tiles per expert), -1 to -2% on qwen3-30b-fc1 and
-        # dsv2lite-fc1 (192 and 352 tiles), where the lost stage costs more than the overlap
-        # gives. The cooperative tile runs one epilogue at a time: one set (and a tile this
-        # kernel lacks gets 1 here and its ValueError from check_support).
-        if SM90_TILES.get(tuple(spec.mma_tiler_mn)) != "pingpong":
+        # Pingpong, 16-bit outputs of >= EPI_SPLIT_TILES tiles per expert: a set of staging
+        # buffers per consumer group, so the two groups' epilogues overlap (no EPI_ORDER
+        # hand-off, no store drain per unit), at the cost of one A/B stage (6 -> 5). Measured
+        # on an H200 with gwgrad's variants timed alone (docs/PERF_NOTES.md, session 6):
+        # +1..+3% on dsv3-fc1 and gptoss-fc1 (1792 and 1035 tiles per expert), -1..-2% on
+        # qwen3-30b and dsv2lite-fc1 (96-352 tiles), where the lost stage costs more than the
+        # overlap gives. FP32 outputs (no stage lost) showed no gain beyond the full bench's
+        # noise: one set. The cooperative tile runs one epilogue at a time: one set (and a
+        # tile this kernel lacks gets 1 here and its ValueError from check_support).
+        if SM90_TILES.get(tuple(spec.mma_tiler_mn)) != "pingpong" or spec.wgrad_dtype.itemsize != 2:
             return 1
         tiles = -(-spec.hidden // 128) * -(-spec.intermediate // 128)
         return 2 if tiles >= EPI_SPLIT_TILES else 1

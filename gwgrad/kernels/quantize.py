@@ -55,9 +55,9 @@ word) take ``e2m1_code``, which rounds NaN to 0.
 Verified: compile and PTX checks for sm_90a and sm_100a (tests/test_compile_quantize.py);
 the E2M1 arithmetic of ``e2m1x8`` emulated in NumPy on all 2**32 FP32 bit patterns against
 gwgrad.formats (tests/test_e2m1_rounding.py, GWGRAD_E2M1_FULL=1). Bit-exact against
-gwgrad.formats on an H200 (tests/test_quantize_gpu.py) before the e2m1x8 / prmt change; the
-new code is compile- and emulation-verified only, pending an H200 run of
-tests/test_quantize_gpu.py and ``python -m gwgrad.bench.quantize``.
+gwgrad.formats on an H200, e2m1x8 and the prmt extraction included (tests/test_quantize_gpu.py
+and tests/test_adapter_jax_quantize_gpu.py: 60 passed, session 6), and benchmarked there
+(``python -m gwgrad.bench.quantize``: docs/results/h200_bench_quantize.json).
 """
 
 from __future__ import annotations

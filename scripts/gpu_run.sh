@@ -98,7 +98,8 @@ for s in $steps; do
         --rows "${GWGRAD_BENCH_ROWS-}" --rounds ${GWGRAD_BENCH_ROUNDS:-20} --sample-ms 12 \
         ${GWGRAD_TUNE_ACCUMULATE:+--accumulate} --time-budget $((T > 90 ? T - 30 : T / 2)) \
         --json "$OUT/bench_tune${GWGRAD_TUNE_ACCUMULATE:+_accumulate}.json" --plot ""
-      tail -4 "$OUT/step.txt"
+      sed -n '/^gwgrad variants/,$p' "$OUT/step.txt" | head -40
+      [ $rc -eq 0 ] || tail -5 "$OUT/step.txt"
       done_step tune $rc ;;
     accumulate)
       # The main-grad path: gwgrad accumulating into FP32 vs torch._grouped_mm + add_, and the

@@ -244,6 +244,18 @@ def test_a_gwgrad_only_sweep_times_the_kernel_variants_alone():
     assert "wrapper/adapter" not in bench.format_summary(bench.summary([row]))
 
 
+def test_the_variants_table_gives_each_variant_over_the_default():
+    row = bench.new_row(SHAPE, "zipf")
+    row["gwgrad_config"] = [128, 128]
+    row["methods"] = {"gwgrad_128x128": {"tflops": 400.0},
+                      "gwgrad_128x128:cluster=1x2": {"tflops": 440.0},
+                      "gwgrad_64x64": {"error": "mma_tiler_mn: ..."}, "adapter": {"tflops": 1.0}}
+    table = bench.format_variants([row]).splitlines()
+    assert "128x128:cluster=1x2" in table[1] and "adapter" not in table[1]
+    assert "400.0 (1.000)" in table[2] and "440.0 (1.100)" in table[2] and "err" in table[2]
+    assert bench.format_variants([bench.new_row(SHAPE, "zipf")]) == ""
+
+
 def test_the_accumulate_mode_adds_into_fp32_on_the_cpu():
     """--accumulate (the main-grad path): every method adds into an FP32 output, the check
     starts each from the same random init, a path that overwrites instead of adding is

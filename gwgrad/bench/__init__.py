@@ -627,6 +627,35 @@ def format_table(rows: List[Dict]) -> str:
     return "\n".join(lines)
 
 
+def format_variants(rows: List[Dict]) -> str:
+    """gwgrad's variants per row (the default and each --tiles entry): TFLOP/s, and each
+    variant's rate over the default's (> 1: the variant is faster). Empty without variants."""
+    names = []
+    for r in rows:
+        for k in r.get("methods", {}):
+            if k.startswith("gwgrad_") and k not in names:
+                names.append(k)
+    if len(names) < 2:
+        return ""
+    head = f"{'shape':<14} {'dist':<7} {'default':>9}  " + "  ".join(
+        f"{k[len('gwgrad_'):]}" for k in names)
+    lines = ["gwgrad variants, TFLOP/s (x default):", head]
+    for r in rows:
+        meth = r.get("methods", {})
+        default = "gwgrad_{}x{}".format(*r["gwgrad_config"]) if r.get("gwgrad_config") else None
+        base = meth.get(default, {}).get("tflops")
+        cells = []
+        for k in names:
+            v = meth.get(k, {}).get("tflops")
+            if v is None:
+                cells.append("err" if "error" in meth.get(k, {}) else "-")
+            else:
+                cells.append(f"{v:.1f}" + (f" ({v / base:.3f})" if base else ""))
+        label = default[len("gwgrad_"):] if default else "-"
+        lines.append(f"{r['name']:<14} {r['dist']:<7} {label:>9}  " + "  ".join(cells))
+    return "\n".join(lines)
+
+
 def summary(rows: List[Dict]) -> Dict:
     """What the issue asks to see, over every row: the worst wrapper/adapter ratio, the HBM
     roofline shares of the small-expert rows, the copy bandwidth, failures."""
@@ -882,6 +911,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     print()
     print(format_summary(payload["summary"]))
     print(format_table(rows))
+    variants = format_variants(rows)
+    if variants:
+        print(variants)
     if args.json:
         print(f"wrote {args.json} ({payload['seconds']:.0f} s)")
     return 0

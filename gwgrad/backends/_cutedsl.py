@@ -154,16 +154,26 @@ class CompiledGemm:
         return self.kernel.bound(device, grid_size(self, device))
 
 
+def cluster_size(cfg: Any) -> int:
+    return getattr(cfg, "cluster_m", 1) * getattr(cfg, "cluster_n", 1)
+
+
+def whole_clusters(cfg: Any, resident_clusters: int) -> int:
+    """The persistent grid in CTAs: one cluster per unit of work, at most ``resident_clusters``
+    (with 1x1 clusters, the SMs)."""
+    return min(cfg.num_units, resident_clusters) * cluster_size(cfg)
+
+
 def grid_size(cfg: Any, device_id: int) -> int:
     """Persistent grid: one CTA per SM, or fewer when there are fewer units of work; with
-    clusters, whole clusters (``cfg``: a kernel config, with ``num_units`` and the cluster
-    shape)."""
-    size = getattr(cfg, "cluster_m", 1) * getattr(cfg, "cluster_n", 1)
+    clusters, whole clusters (``cfg``: a kernel config or a CompiledGemm, with ``num_units``
+    and the cluster shape)."""
+    size = cluster_size(cfg)
     if size == 1:
-        return min(cfg.num_units, _sm_count(device_id))
+        return whole_clusters(cfg, _sm_count(device_id))
     # Static unit order per cluster (the SM90 pairs): launch no more clusters than can be
     # resident at once, or the ones that wait would run their whole share afterwards.
-    return min(cfg.num_units, _max_active_clusters(device_id, size)) * size
+    return whole_clusters(cfg, _max_active_clusters(device_id, size))
 
 
 @functools.lru_cache(maxsize=None)
@@ -349,6 +359,5 @@ class CuteDslBackend(Backend):
         try:
             return grid_size(kernel.cfg, device_id)
         except RuntimeError:  # lowering without a GPU (CUTE_DSL_ARCH set)
-            size = kernel.cfg.cluster_m * kernel.cfg.cluster_n
             sms = self.SM_COUNT_WITHOUT_GPU.get(spec.arch, 132)
-            return min(kernel.cfg.num_units, sms // size) * size
+            return whole_clusters(kernel.cfg, sms // cluster_size(kernel.cfg))

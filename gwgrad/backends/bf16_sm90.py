@@ -13,6 +13,11 @@ WIDE_OUTPUT_TILES = 4096
 EPI_SPLIT_TILES = 1024
 
 
+def _output_tiles(spec: StaticSpec) -> int:
+    """128x128 tiles of one expert's output."""
+    return -(-spec.hidden // 128) * -(-spec.intermediate // 128)
+
+
 class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
     name = "bf16_sm90"
 
@@ -22,8 +27,7 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         # expert's output has fewer than ~4096 such tiles (every benchmark row but one, by up
         # to 6%); on very wide outputs (mixtral-fc1: 7168 tiles per expert) the cooperative
         # 128x256 tile's lower L2 traffic wins by 8%.
-        tiles = -(-spec.hidden // 128) * -(-spec.intermediate // 128)
-        if tiles >= WIDE_OUTPUT_TILES:
+        if _output_tiles(spec) >= WIDE_OUTPUT_TILES:
             return (128, 256), (1, 1)
         return (128, 128), (1, 1)
 
@@ -45,8 +49,7 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         # tile this kernel lacks gets 1 here and its ValueError from check_support).
         if SM90_TILES.get(tuple(spec.mma_tiler_mn)) != "pingpong" or spec.wgrad_dtype.itemsize != 2:
             return 1
-        tiles = -(-spec.hidden // 128) * -(-spec.intermediate // 128)
-        return 2 if tiles >= EPI_SPLIT_TILES else 1
+        return 2 if _output_tiles(spec) >= EPI_SPLIT_TILES else 1
 
     def tiling_problem(self, spec: StaticSpec):
         return sm90_problem(spec.mma_tiler_mn, spec.cluster_shape_mn)

@@ -121,16 +121,19 @@ def test_values_from_bf16_by_prmt(ptx_of, fmt, elem, arch):
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_fp4_fast_path(ptx_of, fmt, arch):
     """E2M1 codes by e2m1x8 (tests/test_e2m1_rounding.py emulates it on every FP32 pattern):
-    per value min / max / fma on FP32 and two funnel shifts (codes, signs), no per-value NaN
-    test. MXFP4 has no other path (its finite blocks' products are finite); NVFP4 keeps the
-    per-value e2m1_code for blocks with an infinite multiplier (one fma each). The whole
+    per value min / max on FP32, one fma rounding 2t / E against 2**23, the code by one
+    ``mad.hi`` and packed by one ``mad.lo`` (integer multiply-adds: the FMA pipe, not the
+    integer / logic pipe that bounds the kernel), the sign by one funnel shift; no per-value
+    NaN test. MXFP4 has no other path (its finite blocks' products are finite); NVFP4 keeps
+    the per-value e2m1_code for blocks with an infinite multiplier (one fma each). The whole
     quantizing kernel stays within 6 PTX instructions a value of MXFP8's (it was 20)."""
     _, _, quant = kernels_of(ptx_of(fmt, "e2m1", arch))
     count = {op: len(re.findall(rf"^\s*{re.escape(op)}\s", quant, re.M))
              for op in ("shf.r.wrap.b32", "shf.l.wrap.b32", "min.f32", "max.f32", "abs.f32",
-                        "fma.rn.f32", "lop3.b32")}
-    assert count["shf.r.wrap.b32"] == count["shf.l.wrap.b32"] == 32, count
+                        "fma.rn.f32", "lop3.b32", "mad.hi.s32", "mad.lo.u32")}
+    assert count["shf.l.wrap.b32"] == 32 and count["shf.r.wrap.b32"] == 0, count
     assert count["min.f32"] == count["max.f32"] == count["abs.f32"] == 32, count
+    assert count["mad.hi.s32"] == 32 and count["mad.lo.u32"] == 28, count  # 7 a word
     assert count["lop3.b32"] == 4, count  # one per word: the signs into the codes
     assert count["fma.rn.f32"] == (32 if fmt == "mxfp4" else 64), count
     if fmt == "mxfp4":

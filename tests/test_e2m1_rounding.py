@@ -30,6 +30,9 @@ import pytest
 from gwgrad import formats
 from quantize_cases import tiny_expert_values
 
+#: quantize.E2M1_PACK_OFFSET (not imported: this module runs without cutlass)
+E2M1_PACK_OFFSET = (0x4AFFFF00 * 0x11111111) % (1 << 32)
+
 U32 = np.uint32
 H = U32(0x88888888)
 
@@ -38,39 +41,45 @@ def _f32(bits: np.ndarray) -> np.ndarray:
     return bits.astype(U32).view(np.float32)
 
 
-def fast_nibbles(bits: np.ndarray) -> np.ndarray:
-    """The nibble ``e2m1x8`` builds for each FP32 value (the product ``q``; its sign is the
-    value's, the multiplier being positive): the per-value steps, then the per-word fix-up
-    applied to one nibble."""
+def _steps(bits: np.ndarray):
+    """``e2m1x8``'s per-value steps on FP32 patterns (multiplier 1): ``z``, the word added at
+    the value's nibble (``0x4AFFFF00 + code``), as uint32."""
     q = _f32(bits)
     with np.errstate(invalid="ignore"):
         t = np.minimum(np.abs(q), np.float32(6.0))
-    e = np.maximum(t, np.float32(1.0)).view(U32) & U32(0x7F800000)
-    k = np.rint(2.0 * t.astype(np.float64) / e.view(np.float32).astype(np.float64))
-    r = e + k.astype(U32)  # fma.rn.f32(t, 2**-22, E): E + k ulps
-    c = r + (r >> U32(22))
-    nib = c & U32(0xF)  # what the funnel shift moves into the code word
-    code = ((nib & U32(7)) + U32(2)) & U32(0x7)  # the word's fix-up, on one nibble
+    m = np.maximum(t, np.float32(1.0)).view(U32)
+    i = ~m & U32(0x7F800000)  # 2 / E
+    # fma.rn.f32(t, i, 2**23): t * i = 2t / E is exact (a power-of-two scaling, <= 4), and
+    # 2**23 + it rounds to the integer grid (ulp 1), ties to the even integer: 2**23 + rint.
+    k = np.rint(t.astype(np.float64) * i.view(np.float32).astype(np.float64))
+    y = U32(0x4B000000) + k.astype(U32)
+    # mad.hi.s32(i, -1024, y): the high word of the signed 64-bit product, plus y
+    hi = (i.astype(np.int64) * -1024) >> 32
+    return (y.astype(np.int64) + hi).astype(np.int64).astype(U32)
+
+
+def fast_nibbles(bits: np.ndarray) -> np.ndarray:
+    """The nibble ``e2m1x8`` builds for each FP32 value (the product ``q``; its sign is the
+    value's, the multiplier being positive): ``z - 0x4AFFFF00`` (the per-word offset
+    subtraction, on one value) with the sign bit."""
+    code = _steps(bits) - U32(0x4AFFFF00)
+    assert (code <= 7).all()  # no carries between the nibbles
     return code | ((bits.astype(U32) >> U32(31)) << U32(3))
 
 
 def pack_word(values: np.ndarray) -> np.ndarray:
-    """``e2m1x8``'s word for rows of 8 FP32 values (bits) with multiplier 1: the funnel shifts
-    and the per-word fix-up, as the PTX does them."""
+    """``e2m1x8``'s word for rows of 8 FP32 values (bits) with multiplier 1: the Horner
+    accumulation of ``z`` (mad.lo, mod 2**32), the offset, the funnel shifts of the signs, as
+    the PTX does them."""
     values = values.astype(U32)
-    q = _f32(values)
-    codes = np.zeros(values.shape[0], U32)
+    z = _steps(values.reshape(-1)).reshape(values.shape)
+    acc = z[:, 7].copy()
+    for j in reversed(range(7)):  # mad.lo.u32 acc, acc, 16, z
+        acc = acc * U32(16) + z[:, j]
     signs = np.zeros(values.shape[0], U32)
-    t = np.minimum(np.abs(q), np.float32(6.0))
-    e = np.maximum(t, np.float32(1.0)).view(U32) & U32(0x7F800000)
-    k = np.rint(2.0 * t.astype(np.float64) / e.view(np.float32).astype(np.float64))
-    r = e + k.astype(U32)
-    c = r + (r >> U32(22))
-    for j in range(8):  # shf.r.wrap codes, codes, c, 4
-        codes = (codes >> U32(4)) | (c[:, j] << U32(28))
     for j in reversed(range(8)):  # shf.l.wrap signs, v, signs, 4
         signs = (signs << U32(4)) | (values[:, j] >> U32(28))
-    codes = (codes & U32(0x77777777)) + U32(0x22222222)
+    codes = acc - U32(E2M1_PACK_OFFSET)
     return (codes & ~H) | (signs & H)  # lop3 0xD8
 
 
@@ -201,21 +210,23 @@ def test_packed_words(rng):
 
 
 def test_fma_emulation(rng):
-    """``fma.rn.f32(t, 2**-22, E) == E + rint(2t / E)`` ulps, against exact rationals."""
+    """``fma.rn.f32(t, 2 / E, 2**23) == 2**23 + rint(2t / E)``, against exact rationals."""
     bits = np.concatenate([_near_sample(rng, 3000) & U32(0x7FFFFFFF),
                            rng.integers(0, 0x40C00001, 3000, dtype=np.int64).astype(U32)])
     t = np.minimum(_f32(bits), np.float32(6.0))
-    e = np.maximum(t, np.float32(1.0)).view(U32) & U32(0x7F800000)
-    k = np.rint(2.0 * t.astype(np.float64) / e.view(np.float32).astype(np.float64))
-    for ti, ei, ki in zip(t.tolist(), e.tolist(), k.tolist()):
-        big_e = Fraction(np.uint32(ei).view(np.float32).item())
-        exact = big_e + Fraction(ti) * Fraction(1, 1 << 22)
-        ulp = big_e / (1 << 23)
-        j, rem = divmod(exact - big_e, ulp)
+    m = np.maximum(t, np.float32(1.0)).view(U32)
+    i = ~m & U32(0x7F800000)
+    k = np.rint(t.astype(np.float64) * i.view(np.float32).astype(np.float64))
+    for ti, ii, ki in zip(t.tolist(), i.tolist(), k.tolist()):
+        exact = Fraction(ti) * Fraction(np.uint32(ii).view(np.float32).item())
+        j, rem = divmod(exact, 1)  # the grid of 2**23 + j (ulp 1), ties to even j
         j = int(j)
-        if rem * 2 > ulp or (rem * 2 == ulp and j % 2):
+        if rem * 2 > 1 or (rem * 2 == 1 and j % 2):
             j += 1
-        assert j == ki, (ti, ei)
+        assert j == ki, (ti, ii)
+        # and i is 2 / E, E the power of two of max(t, 1)'s binade
+        big_e = Fraction(2) ** (int(np.float32(max(ti, 1.0)).view(np.uint32)) // (1 << 23) - 127)
+        assert Fraction(np.uint32(ii).view(np.float32).item()) == 2 / big_e
 
 
 def _sweep_chunk(args):

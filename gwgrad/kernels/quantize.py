@@ -42,22 +42,29 @@ value records Inf's bits or more); then the quantizing kernel reads the amaxes. 
 get scale 1.0 (per_expert_channel) and global scale 1.0 (NVFP4) from the CTAs of tile row 0.
 
 E2M1 (MXFP4, NVFP4; SM90 has no E2M1 cvt): ``e2m1x8`` rounds eight products into one word with
-FP32 min / max / fma and two funnel shifts a value (saturate ``t = min(|q|, 6)``; ``E`` the power
-of two of ``max(t, 1)``; ``fma(t, 2**-22, E)`` is ``E`` plus ``rint(2t / E)`` ulps, the code
-being that count plus twice E's exponent, read off the bits with one shift-add; the signs are
-the values' top bits): 10 PTX / 8 SASS instructions a value, 3 more a word; the per-value
-``e2m1_code`` path took ~17 SASS (sm_90a: conversion 548 -> 266 SASS for 32 values).
+FP32 min / max / fma (saturate ``t = min(|q|, 6)``; ``2 / E``, E the power of two of
+``max(t, 1)``, by one lop3; ``fma(t, 2 / E, 2**23)`` is ``2**23 + rint(2t / E)``), the code
+``k + 2e'`` by one ``mad.hi`` and the word packed by one ``mad.lo`` a value (Horner, one offset
+subtracted a word), the signs by a funnel shift. The FP4 kernels are bound by the integer /
+logic pipe (half rate: 16 lanes a clock per SM sub-partition), not by issue or bandwidth, so
+the packing moved to integer multiply-adds (FMA pipe) and the FP4 block amax takes an
+unsigned and a signed maximum of the raw bits (no per-value mask). MXFP4 quantizing kernel,
+sm_90a SASS (channels 7168): 575 instructions a thread (18.0 a value), 279 on the integer /
+logic pipe (8.7 a value; was 362, 11.3, with the funnel-shift packing and the masked amax;
+MXFP8: 160), 64 registers (4 CTAs of 256 threads an SM, unchanged). NVFP4 shares both changes.
 It has no per-value NaN test: a finite MXFP4 block's products are finite (``|q| < 8``) and
 non-finite blocks are forced to code 0; NVFP4's products are NaN only for ``0 * Inf``, when
 ``1 / (scale * g)`` overflows (a subnormal global scale), and those blocks (a uniform branch per
 word) take ``e2m1_code``, which rounds NaN to 0.
 
-Verified: compile and PTX checks for sm_90a and sm_100a (tests/test_compile_quantize.py);
-the E2M1 arithmetic of ``e2m1x8`` emulated in NumPy on all 2**32 FP32 bit patterns against
-gwgrad.formats (tests/test_e2m1_rounding.py, GWGRAD_E2M1_FULL=1). Bit-exact against
-gwgrad.formats on an H200, e2m1x8 and the prmt extraction included (tests/test_quantize_gpu.py
-and tests/test_adapter_jax_quantize_gpu.py: 60 passed, session 6), and benchmarked there
-(``python -m gwgrad.bench.quantize``: docs/results/h200_bench_quantize.json).
+Verified: compile and PTX checks for sm_90a and sm_100a (tests/test_compile_quantize.py,
+ptxas: no spills); the E2M1 arithmetic of ``e2m1x8`` (the mad.hi / mad.lo packing included)
+emulated in NumPy on all 2**32 FP32 bit patterns against gwgrad.formats
+(tests/test_e2m1_rounding.py, GWGRAD_E2M1_FULL=1); the unsigned / signed amax is exact by the
+argument at its code. Bit-exact against gwgrad.formats on an H200 (tests/test_quantize_gpu.py)
+with the previous e2m1x8 (funnel-shift packing) and masked amax; the mad.hi / mad.lo packing
+and the unsigned / signed FP4 amax are compile- and emulation-verified only, GPU-pending
+(tests/test_quantize_gpu.py and ``python -m gwgrad.bench.quantize``).
 """
 
 from __future__ import annotations
@@ -215,6 +222,11 @@ def bf16_to_f32(word: Int32, select: Int32) -> Int32:
                       "=r,r,r"))
 
 
+def max_u32(a: Int32, b: Int32) -> Int32:
+    """Unsigned maximum of two words (``max.u32``; ptxas folds chains into 3-input VIMNMX3)."""
+    return Int32(_asm(T.i32(), [Int32(a), Int32(b)], "max.u32 $0, $1, $2;", "=r,r,r"))
+
+
 def st_global_v4(address: Int64, w0: Int32, w1: Int32, w2: Int32, w3: Int32) -> None:
     """Four words to a 16-byte aligned global address."""
     _asm(None, [Int64(address), Int32(w0), Int32(w1), Int32(w2), Int32(w3)],
@@ -280,9 +292,14 @@ def e2m1_code(q: Int32) -> Int32:
 
 
 #: E2M1 rounding constants of ``e2m1x8`` (FP32, PTX hex): 6.0 (saturation), 1.0 (the smallest
-#: binade with a one-bit mantissa; below it the step stays 0.5), 2**-22 (``t * 2**-22`` on the
-#: grid of ``E``'s ulp, ``E * 2**-23``, is ``2t / E`` ulps).
-E2M1_SAT, E2M1_ONE, E2M1_SCALE = "0f40C00000", "0f3F800000", "0f34800000"
+#: binade with a one-bit mantissa; below it the step stays 0.5), 2**23 (adding it rounds
+#: ``2t / E`` to an integer: its ulp is 1).
+E2M1_SAT, E2M1_ONE, E2M1_MAGIC = "0f40C00000", "0f3F800000", "0f4B000000"
+
+
+#: ``K`` of ``e2m1x8``: the eight per-value offsets ``0x4AFFFF00`` summed at their nibbles
+#: (``0x4AFFFF00 * 0x11111111 mod 2**32``), subtracted once per word.
+E2M1_PACK_OFFSET = (0x4AFFFF00 * 0x11111111) % (1 << 32)
 
 
 def e2m1x8(v, mult: Int32) -> Int32:
@@ -290,41 +307,43 @@ def e2m1x8(v, mult: Int32) -> Int32:
     codes, bit-exact with ``e2m1_code(f32_mul(v[k], mult))`` whenever the product is not NaN
     (``mult`` positive; a NaN product only comes from a NaN / Inf value, whose block is forced,
     or from ``0 * Inf``: NVFP4's blocks with an infinite multiplier, which take e2m1_code).
-    Per value (SASS: FMUL, 2 FMNMX, LOP3, FFMA, LEA.HI, 2 SHF):
+    Per value (SASS: FMUL, 2 FMNMX, LOP3, FFMA, IMAD.HI, IMAD, SHF: 4 on the integer / logic
+    pipe, which bounds this kernel, 4 on the FMA pipe):
 
         q = v * mult                      mul.rn (the model's product)
         t = min(|q|, 6)                   saturation (Inf too); the abs folds into FMNMX
-        E = max(t, 1) & 0x7F800000        the power of two of t's binade, 1 below 1
-        r = fma(t, 2**-22, E)             = E + k ulps of E, k = rint(2t / E) (one rounding,
-                                          ties to even: E's mantissa is 0): round(2t) below 2,
-                                          round(t) in [2, 4), round(t / 2) in [4, 6]
-        c = r + (r >> 22)                 low byte: k + 2 * (127 + e') = 254 + code (E = 2**e',
-                                          code = k + 2e' <= 7): low 3 bits code + 6 (mod 8)
-        codes = (c:codes) >> 4            funnel shift: c's low nibble enters at the top
+        m = max(t, 1)                     exponent field x = 127 + e' (e' in 0..2: E = 2**e'
+                                          the power of two of t's binade, 1 below 1)
+        i = ~m & 0x7F800000               2 / E (exponent field 255 - x = 128 - e')
+        y = fma(t, i, 2**23)              2**23 + k, k = rint(2t / E) (one rounding, ties to
+                                          even: 2**23 is even and its ulp is 1): round(2t)
+                                          below 2, round(t) in [2, 4), round(t / 2) in [4, 6]
+        z = mad.hi.s32(i, -1024, y)       y's bits + 2e' - 256 = 0x4AFFFF00 + code (code =
+                                          k + 2e' <= 7; i's low 23 bits are 0: exact)
+        acc = acc * 16 + z                Horner from v[7] down to v[0] (mad.lo)
         signs = (signs:v) << 4            funnel shift: v's top nibble (the sign in its bit 3)
                                           enters at the bottom (values taken 7 down to 0)
 
-    and per word ``((codes & 0x77777777) + 0x22222222)`` (each nibble's low 3 bits + 2: the
-    code; the carry stays in the nibble's bit 3), its bit 3s replaced by the signs. 10 PTX
-    (8 SASS) instructions a value against ~24 (~17) for ``e2m1_code``, its multiply and its
-    packing.
-    tests/test_e2m1_rounding.py checks this arithmetic on every FP32 bit pattern."""
-    body = ["{", ".reg .f32 q, t;", ".reg .b32 e, r, c, x, codes, signs;",
-            "mov.b32 codes, 0;", "mov.b32 signs, 0;"]
-    for k in range(8):
+    and per word ``acc - E2M1_PACK_OFFSET`` (the nibbles are the codes: each <= 7, so no
+    carries), its bit 3s replaced by the signs. 8 PTX instructions a value (4 of them on the
+    integer pipe, against 6 for the funnel-shift packing of the previous version and ~17
+    SASS for ``e2m1_code``). tests/test_e2m1_rounding.py checks this arithmetic on every
+    FP32 bit pattern."""
+    body = ["{", ".reg .f32 q, t, m;", ".reg .b32 i, y, z, acc, signs;",
+            "mov.b32 signs, 0;"]
+    for k in reversed(range(8)):
         body += [f"mul.rn.f32 q, ${k + 1}, $9;",
                  "abs.f32 q, q;",
                  f"min.f32 t, q, {E2M1_SAT};",
-                 f"max.f32 e, t, {E2M1_ONE};",
-                 "and.b32 e, e, 0x7F800000;",
-                 f"fma.rn.f32 r, t, {E2M1_SCALE}, e;",
-                 "shr.u32 x, r, 22;",
-                 "add.u32 c, r, x;",
-                 "shf.r.wrap.b32 codes, codes, c, 4;"]
-    for k in reversed(range(8)):
+                 f"max.f32 m, t, {E2M1_ONE};",
+                 "not.b32 i, m;",
+                 "and.b32 i, i, 0x7F800000;",
+                 f"fma.rn.f32 y, t, i, {E2M1_MAGIC};",
+                 "mad.hi.s32 z, i, -1024, y;"]
+        body.append("mov.b32 acc, z;" if k == 7 else "mad.lo.u32 acc, acc, 16, z;")
         body.append(f"shf.l.wrap.b32 signs, ${k + 1}, signs, 4;")
-    body += ["and.b32 codes, codes, 0x77777777;", "add.u32 codes, codes, 0x22222222;",
-             "lop3.b32 $0, codes, signs, 0x88888888, 0xD8;", "}"]
+    body += [f"sub.u32 acc, acc, {E2M1_PACK_OFFSET};",
+             "lop3.b32 $0, acc, signs, 0x88888888, 0xD8;", "}"]
     return Int32(_asm(T.i32(), [Int32(x) for x in v] + [Int32(mult)], "\n\t".join(body),
                       "=r," + ",".join(["r"] * 9)))
 
@@ -671,9 +690,20 @@ class GroupedQuantizer:
         amax = cute.make_rmem_tensor(groups, Int32)
         bad = cute.make_rmem_tensor(groups, Int32)
         for g in cutlass.range_constexpr(groups):
-            m = Int32(0)
-            for i in cutlass.range_constexpr(group):
-                m = cutlass.max(m, vals[g * group + i] & 0x7FFFFFFF)
+            if cutlass.const_expr(cfg.elem == "e2m1"):
+                # No per-value mask: the unsigned maximum of the bits is the largest negative
+                # magnitude (with the sign bit) when there is a negative value, the signed
+                # maximum the largest non-negative one when there is one (else negative).
+                mu = vals[g * group]
+                ms = vals[g * group]
+                for i in cutlass.range_constexpr(1, group):
+                    mu = max_u32(mu, vals[g * group + i])
+                    ms = cutlass.max(ms, vals[g * group + i])
+                m = cutlass.max(mu & 0x7FFFFFFF, ms)
+            else:
+                m = Int32(0)
+                for i in cutlass.range_constexpr(group):
+                    m = cutlass.max(m, vals[g * group + i] & 0x7FFFFFFF)
             amax[g] = m  # its codes are forced below when the block is not finite
             bad[g] = Int32(m >= NONFINITE)
 

@@ -227,6 +227,23 @@ def max_u32(a: Int32, b: Int32) -> Int32:
     return Int32(_asm(T.i32(), [Int32(a), Int32(b)], "max.u32 $0, $1, $2;", "=r,r,r"))
 
 
+def bf16_pair(a: Int32, b: Int32, select: Int32) -> Int32:
+    """One BF16 half of each of two words as one word, ``a``'s in the low half: ``prmt`` with
+    ``select`` 0x5410 (the low halves) or 0x7632 (the high halves)."""
+    return Int32(_asm(T.i32(), [Int32(a), Int32(b), Int32(select)], "prmt.b32 $0, $1, $2, $3;",
+                      "=r,r,r,r"))
+
+
+def max_u16x2(a: Int32, b: Int32) -> Int32:
+    """Unsigned maximum of each 16-bit half (ptxas: VIMNMX3.U16x2 chains)."""
+    return Int32(_asm(T.i32(), [Int32(a), Int32(b)], "max.u16x2 $0, $1, $2;", "=r,r,r"))
+
+
+def max_s16x2(a: Int32, b: Int32) -> Int32:
+    """Signed maximum of each 16-bit half (ptxas: VIMNMX3.S16x2 chains)."""
+    return Int32(_asm(T.i32(), [Int32(a), Int32(b)], "max.s16x2 $0, $1, $2;", "=r,r,r"))
+
+
 def st_global_v4(address: Int64, w0: Int32, w1: Int32, w2: Int32, w3: Int32) -> None:
     """Four words to a 16-byte aligned global address."""
     _asm(None, [Int64(address), Int32(w0), Int32(w1), Int32(w2), Int32(w3)],
@@ -348,6 +365,60 @@ def e2m1x8(v, mult: Int32) -> Int32:
                       "=r," + ",".join(["r"] * 9)))
 
 
+#: ``K`` of ``e2m1x8_bf16x2``: the pair offset ``0x42004200`` (0x4200 a half) summed at nibbles
+#: 0..3, subtracted once per word.
+E2M1_PAIR_OFFSET = (0x42004200 * 0x1111) % (1 << 32)
+
+
+def e2m1x8_bf16x2(pairs, mult2: Int32) -> Int32:
+    """MXFP4's eight E2M1 codes of a word from four BF16x2 words: ``pairs[j]`` holds the values
+    of nibble j (low half) and nibble j + 4 (high half); ``mult2`` is the block's multiplier
+    ``2**-s`` in both halves (BF16, a normal power of two: ``-s`` in -125..127). Bit-exact with
+    ``formats.encode(x * 2**-s, "e2m1")`` for every non-NaN BF16 ``x`` (NaN / Inf blocks are
+    forced to 0 by the caller); tests/test_e2m1_rounding.py checks every BF16 pattern in both
+    halves against every E8M0 scale. Per pair (two values; SASS: HMUL2, HFMA2 (abs), 2 HMNMX2,
+    LOP3, HFMA2, 2 IMAD.HI, LOP3, and 3/4 IMAD):
+
+        q = mul.rn.bf16x2(p, mult2)       exact while |q| >= 2**-126 (a power-of-two scaling);
+                                          smaller products (rounded or flushed) stay below
+                                          2**-126 < 0.25: code 0 either way, the sign from p
+        t = min(|q|, 6)                   saturation (an overflow to Inf too)
+        m = max(t, 1)                     exponent field 127 + e' (e' in 0..2: E = 2**e')
+        i = ~m & 0x7F807F80               2 / E a half (field 128 - e')
+        y = fma.rn.bf16x2(t, i, 128)      128 + k, k = rint(2t / E): ulp 1 in [128, 256), ties
+                                          to even (128 even), one rounding: bits 0x4300 + k
+        z = mad.hi.s32(i, -2**26, y)      y - (i >> 6) (i's low 7 bits are 0): a half is
+                                          0x4300 + k - 2 (128 - e') = 0x4200 + code, code =
+                                          k + 2e' <= 7 (the halves never borrow)
+        z = mad.hi.u32(p & 0x80008000, 0x100001, z)
+                                          + (sign >> 12): each half's sign to its bit 3 (the
+                                          odd multiplier keeps ptxas from a LEA.HI: ALU pipe)
+        acc = acc * 16 + z                Horner, pairs 3 down to 0 (mad.lo, mod 2**32)
+
+    and per word ``acc - E2M1_PAIR_OFFSET``: nibble j is pair j's low code, nibble j + 4 its high
+    code (``16**j * 2**16 = 16**(j + 4)``); codes with their signs are < 16, so nothing carries
+    between nibbles. The rounding is e2m1x8's (same constants scaled to BF16) on values exact
+    in BF16, so only the packing differs."""
+    body = ["{", ".reg .b32 q, t, m, i, y, z, s, acc, six, one, magic;",
+            "mov.b32 six, 0x40C040C0;", "mov.b32 one, 0x3F803F80;",
+            "mov.b32 magic, 0x43004300;"]
+    for j in reversed(range(4)):
+        body += [f"mul.rn.bf16x2 q, ${j + 1}, $5;",
+                 "abs.bf16x2 q, q;",
+                 "min.bf16x2 t, q, six;",
+                 "max.bf16x2 m, t, one;",
+                 "not.b32 i, m;",
+                 "and.b32 i, i, 0x7F807F80;",
+                 "fma.rn.bf16x2 y, t, i, magic;",
+                 "mad.hi.s32 z, i, -67108864, y;",
+                 f"and.b32 s, ${j + 1}, 0x80008000;",
+                 "mad.hi.u32 z, s, 1048577, z;"]
+        body.append("mov.b32 acc, z;" if j == 3 else "mad.lo.u32 acc, acc, 16, z;")
+    body += [f"sub.u32 $0, acc, {E2M1_PAIR_OFFSET};", "}"]
+    return Int32(_asm(T.i32(), [Int32(x) for x in pairs] + [Int32(mult2)], "\n\t".join(body),
+                      "=r," + ",".join(["r"] * 5)))
+
+
 # ---------------------------------------------------------------------------------------------
 # The kernels
 # ---------------------------------------------------------------------------------------------
@@ -366,6 +437,8 @@ class GroupedQuantizer:
         # CTAs per SM the registers must allow (latency hiding): 4 (<= 64 registers) but for
         # 1x128, whose cross-quarter amax keeps the 32 values live (3: <= 80, no spills).
         self.min_blocks = 3 if cfg.recipe == "block_1x128" else 4
+        # MXFP4 quantizes BF16 pairs (its multiplier is a power of two: exact in BF16).
+        self.packed = cfg.elem == "e2m1" and not cfg.nvfp4
 
     @cute.jit
     def __call__(
@@ -676,38 +749,76 @@ class GroupedQuantizer:
             for k in cutlass.range_constexpr(4):
                 xs[token * X_ROW_WORDS + chunk * 4 + k] = w[k]
         cute.arch.sync_threads()
-        # This thread's column: FP32 bits of channel c_local, tokens 32 q .. 32 q + 31.
-        vals = cute.make_rmem_tensor(TOKENS_PER_THREAD, Int32)
-        # The even channel is the low half of its word: one prmt moves the half to the top.
-        select = Int32(0x1044) + Int32(0x2200) * (c_local % 2)
-        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
-            word = xs[(quarter * TOKENS_PER_THREAD + i) * X_ROW_WORDS + c_local // 2]
-            vals[i] = bf16_to_f32(word, select)
+        if cutlass.const_expr(self.packed):
+            self.tile_packed(q_ptr, sf_ptr, gs_ptr, ws, red, xs, qs, expert, j, tile_begin,
+                             tile_valid, n_valid, s_e, c_e, ch, c_local, quarter, live,
+                             tokens_sum, sf_capacity)
+        else:
+            # This thread's column: FP32 bits of channel c_local, tokens 32 q .. 32 q + 31.
+            vals = cute.make_rmem_tensor(TOKENS_PER_THREAD, Int32)
+            # The even channel is the low half of its word: one prmt moves the half to the top.
+            select = Int32(0x1044) + Int32(0x2200) * (c_local % 2)
+            for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+                word = xs[(quarter * TOKENS_PER_THREAD + i) * X_ROW_WORDS + c_local // 2]
+                vals[i] = bf16_to_f32(word, select)
 
-        # Block amaxes of the magnitudes' bits (NONFINITE when a block holds NaN / Inf).
-        group = TOKENS_PER_THREAD if cfg.sf_vec != 16 else 16
-        groups = TOKENS_PER_THREAD // group
-        amax = cute.make_rmem_tensor(groups, Int32)
-        bad = cute.make_rmem_tensor(groups, Int32)
-        for g in cutlass.range_constexpr(groups):
-            if cutlass.const_expr(cfg.elem == "e2m1"):
-                # No per-value mask: the unsigned maximum of the bits is the largest negative
-                # magnitude (with the sign bit) when there is a negative value, the signed
-                # maximum the largest non-negative one when there is one (else negative).
-                mu = vals[g * group]
-                ms = vals[g * group]
-                for i in cutlass.range_constexpr(1, group):
-                    mu = max_u32(mu, vals[g * group + i])
-                    ms = cutlass.max(ms, vals[g * group + i])
-                m = cutlass.max(mu & 0x7FFFFFFF, ms)
-            else:
-                m = Int32(0)
-                for i in cutlass.range_constexpr(group):
-                    m = cutlass.max(m, vals[g * group + i] & 0x7FFFFFFF)
-            amax[g] = m  # its codes are forced below when the block is not finite
-            bad[g] = Int32(m >= NONFINITE)
+            # Block amaxes of the magnitudes' bits (NONFINITE when a block holds NaN / Inf).
+            group = TOKENS_PER_THREAD if cfg.sf_vec != 16 else 16
+            groups = TOKENS_PER_THREAD // group
+            amax = cute.make_rmem_tensor(groups, Int32)
+            bad = cute.make_rmem_tensor(groups, Int32)
+            for g in cutlass.range_constexpr(groups):
+                if cutlass.const_expr(cfg.elem == "e2m1"):
+                    # No per-value mask: the unsigned maximum of the bits is the largest negative
+                    # magnitude (with the sign bit) when there is a negative value, the signed
+                    # maximum the largest non-negative one when there is one (else negative).
+                    mu = vals[g * group]
+                    ms = vals[g * group]
+                    for i in cutlass.range_constexpr(1, group):
+                        mu = max_u32(mu, vals[g * group + i])
+                        ms = cutlass.max(ms, vals[g * group + i])
+                    m = cutlass.max(mu & 0x7FFFFFFF, ms)
+                else:
+                    m = Int32(0)
+                    for i in cutlass.range_constexpr(group):
+                        m = cutlass.max(m, vals[g * group + i] & 0x7FFFFFFF)
+                amax[g] = m  # its codes are forced below when the block is not finite
+                bad[g] = Int32(m >= NONFINITE)
 
-        self.quantize(q_ptr, sf_ptr, gs_ptr, ws, red, qs, vals, amax, bad, expert, j,
+            self.quantize(q_ptr, sf_ptr, gs_ptr, ws, red, qs, vals, amax, bad, expert, j,
+                          tile_begin, tile_valid, n_valid, s_e, c_e, ch, c_local, quarter, live,
+                          tokens_sum, sf_capacity)
+
+    @cute.jit
+    def tile_packed(self, q_ptr, sf_ptr, gs_ptr, ws, red, xs, qs, expert, j, tile_begin,
+                    tile_valid, n_valid, s_e, c_e, ch, c_local, quarter, live, tokens_sum,
+                    sf_capacity):
+        """MXFP4: the thread's 32 BF16 values as 16 BF16x2 words (pair 4w + k: tokens 8w + k
+        and 8w + k + 4, one prmt of two shared words), the block amax by packed 16-bit maxima,
+        codes by ``e2m1x8_bf16x2``."""
+        pairs = cute.make_rmem_tensor(TOKENS_PER_THREAD // 2, Int32)
+        # The even channel is the low half of its word.
+        select = Int32(0x5410) + Int32(0x2222) * (c_local % 2)
+        for w in cutlass.range_constexpr(TOKENS_PER_THREAD // 8):
+            for k in cutlass.range_constexpr(4):
+                row = quarter * TOKENS_PER_THREAD + 8 * w + k
+                lo = xs[row * X_ROW_WORDS + c_local // 2]
+                hi = xs[(row + 4) * X_ROW_WORDS + c_local // 2]
+                pairs[4 * w + k] = bf16_pair(lo, hi, select)
+        # The unsigned / signed maxima of tile()'s FP4 amax, on each 16-bit half; then the
+        # larger half, as FP32 bits (a half >= 0x7F80: NaN / Inf in the block).
+        mu = pairs[0]
+        ms = pairs[0]
+        for i in cutlass.range_constexpr(1, TOKENS_PER_THREAD // 2):
+            mu = max_u16x2(mu, pairs[i])
+            ms = max_s16x2(ms, pairs[i])
+        m = max_s16x2(mu & 0x7FFF7FFF, ms)
+        m = max_u32(m << 16, m & Int32(-65536))
+        amax = cute.make_rmem_tensor(1, Int32)
+        bad = cute.make_rmem_tensor(1, Int32)
+        amax[0] = m
+        bad[0] = Int32(m >= NONFINITE)
+        self.quantize(q_ptr, sf_ptr, gs_ptr, ws, red, qs, pairs, amax, bad, expert, j,
                       tile_begin, tile_valid, n_valid, s_e, c_e, ch, c_local, quarter, live,
                       tokens_sum, sf_capacity)
 
@@ -809,7 +920,13 @@ class GroupedQuantizer:
         words_per_thread = TOKENS_PER_THREAD // tokens_per_word
         for w in cutlass.range_constexpr(words_per_thread):
             g = (w * tokens_per_word) // group
-            if cutlass.const_expr(fp4):
+            if cutlass.const_expr(self.packed):
+                # mult: 2**-s as FP32 bits, a normal power of two; as BF16 in both halves
+                word = e2m1x8_bf16x2([vals[w * 4 + k] for k in range(4)],
+                                     mult[g] | ((mult[g] >> 16) & 0xFFFF))
+                if forced[g] != 0:
+                    word = Int32(0)
+            elif cutlass.const_expr(fp4):
                 word = e2m1x8([vals[w * 8 + k] for k in range(8)], mult[g])
                 if cutlass.const_expr(cfg.nvfp4):
                     # An infinite multiplier (1 / a subnormal scale * g): 0 * Inf is NaN,

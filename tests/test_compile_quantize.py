@@ -112,30 +112,32 @@ def instructions(body):
 @pytest.mark.parametrize("fmt,elem", CASES)
 def test_values_from_bf16_by_prmt(ptx_of, fmt, elem, arch):
     """Each of a thread's 32 values is its BF16 half of a shared word moved to the top by one
-    ``prmt`` (zeros below); MXFP4 pairs two tokens' halves of the channel by one ``prmt``."""
+    ``prmt`` (zeros below); MXFP4 pairs two tokens' halves of the channel by one ``prmt``
+    (and takes the signs of a word's 8 codes by 2 more)."""
     _, _, quant = kernels_of(ptx_of(fmt, elem, arch))
-    assert len(re.findall(r"\bprmt\.b32\b", quant)) == (16 if fmt == "mxfp4" else 32)
+    assert len(re.findall(r"\bprmt\.b32\b", quant)) == (16 + 8 if fmt == "mxfp4" else 32)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_mxfp4_packed_path(ptx_of, arch):
     """MXFP4 quantizes BF16 pairs (e2m1x8_bf16x2; tests/test_e2m1_rounding.py emulates it on
-    every BF16 pattern and scale): per pair one mul.rn / abs / min / max / fma.rn on bf16x2,
-    the code by one ``mad.hi.s32`` and the sign by one ``mad.hi.u32`` (integer multiply-adds:
-    the FMA pipe), packed by ``mad.lo`` (3 a word); the block amax by 16-bit maxima. No FP32
-    rounding of values and no funnel shifts; the kernel stays within 2 PTX instructions a
-    value of MXFP8's."""
+    every BF16 pattern and scale): per pair one abs / mul.rn / min / max / fma.rn on bf16x2
+    and the code by one ``mad.hi.s32`` (an integer multiply-add: the FMA pipe), packed by
+    ``mad.lo`` (3 a word); per word the signs by 2 ``prmt`` and 2 ``lop3``; the block amax
+    by 16-bit maxima. No FP32 rounding of values and no funnel shifts; the kernel stays
+    within 2 PTX instructions a value of MXFP8's."""
     _, _, quant = kernels_of(ptx_of("mxfp4", "e2m1", arch))
     ops = ("mul.rn.bf16x2", "abs.bf16x2", "min.bf16x2", "max.bf16x2", "fma.rn.bf16x2",
-           "mad.hi.s32", "mad.hi.u32", "mad.lo.u32", "max.u16x2", "max.s16x2", "mul.rn.f32",
-           "fma.rn.f32", "min.f32", "max.f32", "shf.l.wrap.b32")
+           "mad.hi.s32", "mad.lo.u32", "max.u16x2", "max.s16x2", "mul.rn.f32",
+           "fma.rn.f32", "min.f32", "max.f32", "shf.l.wrap.b32", "mad.hi.u32")
     count = {op: len(re.findall(rf"^\s*{re.escape(op)}\s", quant, re.M)) for op in ops}
-    for op in ops[:7]:
+    for op in ops[:6]:
         assert count[op] == 16, count
     assert count["mad.lo.u32"] == 12, count
     assert count["max.u16x2"] == 15 and count["max.s16x2"] == 16, count
-    for op in ops[10:]:
+    for op in ops[9:]:
         assert count[op] == 0, count
+    assert len(re.findall(r"^\s*prmt\.b32\s.*0xFBD9;", quant, re.M)) == 8
     _, _, fp8 = kernels_of(ptx_of("mxfp8", "e4m3", arch))
     extra = len(instructions(quant)) - len(instructions(fp8))
     assert extra <= 2 * 32, extra

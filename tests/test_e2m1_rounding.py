@@ -1,7 +1,9 @@
-"""The FP4 quantizers' E2M1 rounding (gwgrad/kernels/quantize.py: ``e2m1x8``, the fast path, and
-``e2m1_code``, the per-value path it replaced) emulated in NumPy step by step on FP32 bit
+"""The FP4 quantizers' E2M1 rounding (gwgrad/kernels/quantize.py: ``e2m1x8``, NVFP4's fast path,
+and ``e2m1_code``, the per-value path it replaced) emulated in NumPy step by step on FP32 bit
 patterns, against gwgrad/formats.py's ``encode(..., "e2m1")`` (nearest, ties to even,
-saturating to 6, the sign kept, NaN 0).
+saturating to 6, the sign kept, NaN 0); and MXFP4's packed path (``e2m1x8_bf16x2``, the 16-bit
+block amax) on every non-NaN BF16 pattern times every E8M0 scale (~4 s), and on whole blocks
+against ``formats.quantize_mx`` (see the section at the end).
 
 Every FP32 operation of the kernel is emulated exactly: ``min.f32`` / ``max.f32`` / ``abs`` of
 non-NaN values are NumPy float32's; ``fma.rn.f32(t, 2**-22, E)`` with ``E`` a power of two in
@@ -291,8 +293,8 @@ def bf16_bits(v: np.ndarray) -> np.ndarray:
 def _pair_steps(h: np.ndarray, mult: float):
     """One half's BF16 steps: (y, i) bits of ``fma(t, i, 128)`` and ``i = ~max(t, 1) & 0x7F80``
     for the value of BF16 pattern ``h`` times ``mult``."""
-    q = bf16_round(bf16_value(h) * mult)  # mul.rn.bf16x2 (the product is exact in float64)
-    t = np.minimum(np.abs(q), 6.0)  # abs, min.bf16x2 (Inf: 6)
+    q = bf16_round(np.abs(bf16_value(h)) * mult)  # abs, mul.rn.bf16x2 (exact in float64)
+    t = np.minimum(q, 6.0)  # min.bf16x2 (Inf: 6)
     m = bf16_bits(np.maximum(t, 1.0))  # max.bf16x2
     i = ~m & U32(0x7F80)
     y = bf16_bits(bf16_round(t * bf16_value(i) + 128.0))  # fma.rn.bf16x2: one rounding
@@ -310,12 +312,29 @@ def packed_words(pairs: np.ndarray, mult2: int) -> np.ndarray:
     y = (y_lo | (y_hi << U32(16))).astype(np.int64)
     i = (i_lo | (i_hi << U32(16))).astype(np.int64)
     z = (y + ((i * -(1 << 26)) >> 32)) & 0xFFFFFFFF  # mad.hi.s32 z, i, -2**26, y
-    sign = (pairs & U32(0x80008000)).astype(np.uint64)
-    z = (z + ((sign * np.uint64(0x100001)) >> np.uint64(32)).astype(np.int64)) & 0xFFFFFFFF
     acc = z[:, 3]
     for j in (2, 1, 0):  # mad.lo.u32 acc, acc, 16, z
         acc = (acc * 16 + z[:, j]) & 0xFFFFFFFF
-    return ((acc - E2M1_PAIR_OFFSET) & 0xFFFFFFFF).astype(U32)
+    acc = ((acc - E2M1_PAIR_OFFSET) & 0xFFFFFFFF).astype(U32)
+    assert not (acc & H).any()  # codes < 8: the sign bits are free
+    odd = prmt(pairs[:, 1], pairs[:, 3], 0xFBD9)  # sign bytes of tokens 1, 3, 5, 7
+    even = prmt(pairs[:, 0], pairs[:, 2], 0xFBD9)  # of tokens 0, 2, 4, 6
+    acc = acc | (even & U32(0x08080808))  # lop3 0xF8: a | (b & c)
+    return acc | (odd & U32(0x80808080))
+
+
+def prmt(a: np.ndarray, b: np.ndarray, selector: int) -> np.ndarray:
+    """``prmt.b32 d, a, b, selector`` (default mode): byte n of d is byte ``sel & 7`` of
+    {b, a} (a bytes 0..3, b bytes 4..7), or with ``sel & 8`` that byte's bit 7 replicated."""
+    src = (a.astype(np.uint64) | (b.astype(np.uint64) << np.uint64(32)))
+    out = np.zeros(a.shape, U32)
+    for n in range(4):
+        sel = (selector >> (4 * n)) & 0xF
+        byte = ((src >> np.uint64(8 * (sel & 7))) & np.uint64(0xFF)).astype(U32)
+        if sel & 8:
+            byte = np.where(byte & U32(0x80), U32(0xFF), U32(0))
+        out |= byte << U32(8 * n)
+    return out
 
 
 def _want_words(pairs: np.ndarray, s: int) -> np.ndarray:
@@ -339,13 +358,21 @@ def _mult2(s: int) -> int:
 
 
 def _every_bf16_pairs() -> np.ndarray:
-    """Every non-NaN BF16 pattern in the low halves, and (rotated) in the high halves, as
-    rows of 4 pair words (two zero pairs of padding)."""
+    """Every non-NaN BF16 pattern in the low halves and in the high halves (two fixed
+    shuffles: a word's eight values have unrelated signs and sizes), as rows of 4 pair words
+    (two zero pairs of padding)."""
     h = np.arange(1 << 16, dtype=U32)
     h = h[(h & U32(0x7FFF)) <= U32(0x7F80)]  # 65282: NaNs are in forced blocks
-    pairs = h | (np.roll(h, 12345) << U32(16))
+    shuffle = np.random.default_rng(2026)
+    pairs = shuffle.permutation(h) | (shuffle.permutation(h) << U32(16))
     pairs = np.concatenate([pairs, np.zeros(-pairs.size % 4, U32)])
     return pairs.reshape(-1, 4)
+
+
+def test_prmt():
+    a, b = np.array([0x11A2B3C4], U32), np.array([0xD5E6F708], U32)
+    assert prmt(a, b, 0x5410)[0] == 0xF708B3C4 and prmt(a, b, 0x7632)[0] == 0xD5E611A2
+    assert prmt(a, b, 0xFBD9)[0] == 0xFF00FFFF  # bytes 1, 5, 3, 7: B3, F7, 11, D5
 
 
 def test_bf16_round():
@@ -384,8 +411,11 @@ def packed_block(values: np.ndarray):
     channel): (E8M0 code, 4 words of codes), emulated (the forced zero words of a NaN / Inf
     block included)."""
     bits = bf16_bits(values.astype(np.float64))
-    pairs = np.array([bits[8 * w + k] | (bits[8 * w + k + 4] << U32(16))
-                      for w in range(4) for k in range(4)], U32)
+    # tile_packed's prmt(lo, hi, 0x5410) of the shared words (the even channel's halves
+    # low; the odd channel's, by 0x7632, the same values)
+    words = bits | (U32(0xABCD) << U32(16))  # the other channel's half: ignored
+    pairs = np.array([prmt(words[8 * w + k: 8 * w + k + 1], words[8 * w + k + 4: 8 * w + k + 5],
+                           0x5410)[0] for w in range(4) for k in range(4)], U32)
     lo, hi = pairs & U32(0xFFFF), pairs >> U32(16)
     s16 = lambda h: h.astype(np.int64) - ((h.astype(np.int64) & 0x8000) << 1)  # noqa: E731
     mu_lo, mu_hi = lo.max(), hi.max()  # max.u16x2 chain

@@ -26,13 +26,15 @@ dropped (the GEMM's device check then reports ``SCALES_TOO_SMALL``).
 
 Threads (256): the x tile is staged in shared memory with 16-byte loads (8 threads per
 128-byte token row); thread (quarter q, channel c) then reads channel c of tokens 32q..32q+31,
-takes each value as FP32 bits with one ``prmt`` (its BF16 half of the shared word), computes the
-amax of its 32 (or 2x16) values as integers on the BF16 bits (a block holding NaN or Inf gets an
-amax at or past Inf's bits, and forced codes), converts them with the block's scale (FP32
-``mul.rn`` / ``div.rn`` in inline PTX, never flushing denormals; FP8 by ``cvt.rn.satfinite``,
-E2M1 by ``e2m1x8``, below) into a shared code tile, which is stored as 16-byte vectors, 8 (FP8) or 4 (FP4) threads per channel
-row segment. Shared rows are padded by one word (no bank conflicts either way). 1x128 and
-per-channel amaxes are combined across the four quarters in shared memory.
+takes each value as FP32 bits with one ``prmt`` (its BF16 half of the shared word; MXFP4: two
+tokens' halves as one BF16x2 word, below), computes the amax of its 32 (or 2x16) values as
+integers on the BF16 bits (a block holding NaN or Inf gets an amax at or past Inf's bits, and
+forced codes), converts them with the block's scale (FP32 ``mul.rn`` / ``div.rn`` in inline
+PTX, never flushing denormals; FP8 by ``cvt.rn.satfinite``, NVFP4 by ``e2m1x8``, MXFP4 by
+``e2m1x8_bf16x2``, below) into a shared code tile, which is stored as 16-byte vectors, 8 (FP8)
+or 4 (FP4) threads per channel row segment. Shared rows are padded by one word (no bank
+conflicts either way). 1x128 and per-channel amaxes are combined across the four quarters in
+shared memory.
 
 Two-pass recipes (per_expert_channel and NVFP4 need an amax over the whole expert): after the
 prep kernel (which zeroes the records), an amax kernel on the same tiles reduces straight from
@@ -41,30 +43,45 @@ NVFP4, into the uint32 workspace (non-negative float bits order as integers; a n
 value records Inf's bits or more); then the quantizing kernel reads the amaxes. Empty experts
 get scale 1.0 (per_expert_channel) and global scale 1.0 (NVFP4) from the CTAs of tile row 0.
 
-E2M1 (MXFP4, NVFP4; SM90 has no E2M1 cvt): ``e2m1x8`` rounds eight products into one word with
-FP32 min / max / fma (saturate ``t = min(|q|, 6)``; ``2 / E``, E the power of two of
-``max(t, 1)``, by one lop3; ``fma(t, 2 / E, 2**23)`` is ``2**23 + rint(2t / E)``), the code
+E2M1 (MXFP4, NVFP4; SM90 has no E2M1 cvt). NVFP4: ``e2m1x8`` rounds eight FP32 products into
+one word with FP32 min / max / fma (saturate ``t = min(|q|, 6)``; ``2 / E``, E the power of two
+of ``max(t, 1)``, by one lop3; ``fma(t, 2 / E, 2**23)`` is ``2**23 + rint(2t / E)``), the code
 ``k + 2e'`` by one ``mad.hi`` and the word packed by one ``mad.lo`` a value (Horner, one offset
-subtracted a word), the signs by a funnel shift. The FP4 kernels are bound by the integer /
-logic pipe (half rate: 16 lanes a clock per SM sub-partition), not by issue or bandwidth, so
-the packing moved to integer multiply-adds (FMA pipe) and the FP4 block amax takes an
-unsigned and a signed maximum of the raw bits (no per-value mask). MXFP4 quantizing kernel,
-sm_90a SASS (channels 7168): 575 instructions a thread (18.0 a value), 279 on the integer /
-logic pipe (8.7 a value; was 362, 11.3, with the funnel-shift packing and the masked amax;
-MXFP8: 160), 64 registers (4 CTAs of 256 threads an SM, unchanged). NVFP4 shares both changes.
-It has no per-value NaN test: a finite MXFP4 block's products are finite (``|q| < 8``) and
-non-finite blocks are forced to code 0; NVFP4's products are NaN only for ``0 * Inf``, when
-``1 / (scale * g)`` overflows (a subnormal global scale), and those blocks (a uniform branch per
-word) take ``e2m1_code``, which rounds NaN to 0.
+subtracted a word), the signs by a funnel shift; its block amax takes an unsigned and a signed
+maximum of the raw bits (no per-value mask). NVFP4's products are NaN only for ``0 * Inf``,
+when ``1 / (scale * g)`` overflows (a subnormal global scale), and those blocks (a uniform
+branch per word) take ``e2m1_code``, which rounds NaN to 0.
+
+MXFP4: the multiplier ``2**-s`` is a power of two, so the products of BF16 values are exact in
+BF16 (but below 2**-126, where any rounding keeps them under 0.25: code 0) and two values go
+per instruction: one ``prmt`` makes a BF16x2 word of tokens ``8w + k`` and ``8w + k + 4`` of
+the channel, the block amax is the unsigned / signed maximum on 16-bit halves (VIMNMX3.U16x2 /
+.S16x2), and ``e2m1x8_bf16x2`` runs e2m1x8's rounding on bf16x2 (abs, mul.rn, min, max,
+fma.rn: HFMA2 / HMUL2 / HMNMX2), the codes by one ``mad.hi`` a pair, a word by 3 ``mad.lo``,
+its 8 signs by 2 ``prmt`` (sign-replicating bytes) and 2 ``lop3``. A finite block's products
+are finite (``|q| < 8``) and a NaN / Inf block is forced to code 0, so no per-value NaN test.
+A block of BF16 denormals (scale 2**-127) needs ``mul.rn.bf16x2`` to keep denormal inputs
+(PTX's bf16 arithmetic has no .ftz; SASS HMUL2.BF16_V2 without .FTZ): GPU-checked by
+tests/test_quantize_gpu.py::test_fp4_tiny_expert[mxfp4] once run.
+Quantizing kernel, sm_90a SASS (channels 7168), a thread (32 values): 426 instructions (13.3 a
+value; 575 before the packed path, 18.0), 182 on the integer / logic pipe (HMNMX2's 32
+counted there; 281 before) and 137 on the FMA pipe (IMAD, HFMA2, HMUL2; 189 before),
+48 registers (64 before; 4 CTAs of 256 threads an SM either way); MXFP8: 364, 160, 56.
+The kernel was estimated issue-bound at 575 (and integer-pipe-bound before 04b4781).
 
 Verified: compile and PTX checks for sm_90a and sm_100a (tests/test_compile_quantize.py,
-ptxas: no spills); the E2M1 arithmetic of ``e2m1x8`` (the mad.hi / mad.lo packing included)
-emulated in NumPy on all 2**32 FP32 bit patterns against gwgrad.formats
-(tests/test_e2m1_rounding.py, GWGRAD_E2M1_FULL=1); the unsigned / signed amax is exact by the
-argument at its code. Bit-exact against gwgrad.formats on an H200 (tests/test_quantize_gpu.py)
-with the previous e2m1x8 (funnel-shift packing) and masked amax; the mad.hi / mad.lo packing
-and the unsigned / signed FP4 amax are compile- and emulation-verified only, GPU-pending
-(tests/test_quantize_gpu.py and ``python -m gwgrad.bench.quantize``).
+ptxas: no spills); ``e2m1x8``'s arithmetic (the mad.hi / mad.lo packing included) emulated in
+NumPy on all 2**32 FP32 bit patterns against gwgrad.formats (tests/test_e2m1_rounding.py,
+GWGRAD_E2M1_FULL=1); ``e2m1x8_bf16x2`` emulated step by step (BF16 rounding of mul / fma with
+subnormals, the integer and prmt steps) on every non-NaN BF16 pattern in both halves times
+every E8M0 scale (codes 0..254) against ``formats.encode``, and with the 16-bit amax on random
+and special blocks against ``formats.quantize_mx`` (tests/test_e2m1_rounding.py, by default);
+the unsigned / signed amax is exact by the argument at its code. On an H200: the code at commit
+5cf471f (FP4 packing by funnel shifts, masked amax) ran bit-exact against gwgrad.formats
+(tests/test_quantize_gpu.py, 60 GPU tests) and was benchmarked (MXFP4 54-62% of a D2D copy's
+bandwidth); the mad.hi / mad.lo packing and unsigned / signed amax (04b4781) and MXFP4's packed
+path are compile- and emulation-verified only, GPU-pending (tests/test_quantize_gpu.py and
+``python -m gwgrad.bench.quantize --markdown``).
 """
 
 from __future__ import annotations
@@ -366,7 +383,7 @@ def e2m1x8(v, mult: Int32) -> Int32:
 
 
 #: ``K`` of ``e2m1x8_bf16x2``: the pair offset ``0x42004200`` (0x4200 a half) summed at nibbles
-#: 0..3, subtracted once per word.
+#: 0..3 (Horner), subtracted once per word.
 E2M1_PAIR_OFFSET = (0x42004200 * 0x1111) % (1 << 32)
 
 
@@ -374,15 +391,15 @@ def e2m1x8_bf16x2(pairs, mult2: Int32) -> Int32:
     """MXFP4's eight E2M1 codes of a word from four BF16x2 words: ``pairs[j]`` holds the values
     of nibble j (low half) and nibble j + 4 (high half); ``mult2`` is the block's multiplier
     ``2**-s`` in both halves (BF16, a normal power of two: ``-s`` in -125..127). Bit-exact with
-    ``formats.encode(x * 2**-s, "e2m1")`` for every non-NaN BF16 ``x`` (NaN / Inf blocks are
-    forced to 0 by the caller); tests/test_e2m1_rounding.py checks every BF16 pattern in both
-    halves against every E8M0 scale. Per pair (two values; SASS: HMUL2, HFMA2 (abs), 2 HMNMX2,
-    LOP3, HFMA2, 2 IMAD.HI, LOP3, and 3/4 IMAD):
+    ``formats.encode(x * 2**-s, "e2m1")`` for every non-NaN BF16 ``x`` and any such scale
+    (NaN / Inf blocks are forced to 0 by the caller); tests/test_e2m1_rounding.py checks every
+    BF16 pattern in both halves against every E8M0 scale. Per pair (two values; SASS: HFMA2
+    (the abs), HMUL2, 2 HMNMX2, LOP3, HFMA2, IMAD.HI, 3/4 IMAD):
 
-        q = mul.rn.bf16x2(p, mult2)       exact while |q| >= 2**-126 (a power-of-two scaling);
-                                          smaller products (rounded or flushed) stay below
-                                          2**-126 < 0.25: code 0 either way, the sign from p
-        t = min(|q|, 6)                   saturation (an overflow to Inf too)
+        q = mul.rn.bf16x2(|p|, mult2)     exact while q >= 2**-126 (a power-of-two scaling);
+                                          smaller products (rounded, or flushed) stay below
+                                          2**-126 < 0.25: code 0 either way
+        t = min(q, 6)                     saturation (a product past 6, or Inf, gives 7)
         m = max(t, 1)                     exponent field 127 + e' (e' in 0..2: E = 2**e')
         i = ~m & 0x7F807F80               2 / E a half (field 128 - e')
         y = fma.rn.bf16x2(t, i, 128)      128 + k, k = rint(2t / E): ulp 1 in [128, 256), ties
@@ -390,31 +407,33 @@ def e2m1x8_bf16x2(pairs, mult2: Int32) -> Int32:
         z = mad.hi.s32(i, -2**26, y)      y - (i >> 6) (i's low 7 bits are 0): a half is
                                           0x4300 + k - 2 (128 - e') = 0x4200 + code, code =
                                           k + 2e' <= 7 (the halves never borrow)
-        z = mad.hi.u32(p & 0x80008000, 0x100001, z)
-                                          + (sign >> 12): each half's sign to its bit 3 (the
-                                          odd multiplier keeps ptxas from a LEA.HI: ALU pipe)
         acc = acc * 16 + z                Horner, pairs 3 down to 0 (mad.lo, mod 2**32)
 
-    and per word ``acc - E2M1_PAIR_OFFSET``: nibble j is pair j's low code, nibble j + 4 its high
-    code (``16**j * 2**16 = 16**(j + 4)``); codes with their signs are < 16, so nothing carries
-    between nibbles. The rounding is e2m1x8's (same constants scaled to BF16) on values exact
-    in BF16, so only the packing differs."""
-    body = ["{", ".reg .b32 q, t, m, i, y, z, s, acc, six, one, magic;",
+    and per word ``acc - E2M1_PAIR_OFFSET``: nibble j is pair j's low code, nibble j + 4 its
+    high code (``16**j * 2**16 = 16**(j + 4)``), all < 8 (no carries, bit 3s clear); then the
+    signs: ``prmt`` 0xFBD9 of pairs 1 and 3 replicates each value's sign over a byte, in the
+    order of tokens 1, 3, 5, 7 (the bit 7s of the word's bytes: their nibbles' bit 3), of
+    pairs 0 and 2 tokens 0, 2, 4, 6 (the bit 3s), merged by two ``lop3``. The rounding is
+    e2m1x8's (its constants scaled to BF16) on values exact in BF16; only the packing
+    differs."""
+    body = ["{", ".reg .b32 q, t, m, i, y, z, s, e, acc, six, one, magic;",
             "mov.b32 six, 0x40C040C0;", "mov.b32 one, 0x3F803F80;",
             "mov.b32 magic, 0x43004300;"]
     for j in reversed(range(4)):
-        body += [f"mul.rn.bf16x2 q, ${j + 1}, $5;",
-                 "abs.bf16x2 q, q;",
+        body += [f"abs.bf16x2 q, ${j + 1};",
+                 "mul.rn.bf16x2 q, q, $5;",
                  "min.bf16x2 t, q, six;",
                  "max.bf16x2 m, t, one;",
                  "not.b32 i, m;",
                  "and.b32 i, i, 0x7F807F80;",
                  "fma.rn.bf16x2 y, t, i, magic;",
-                 "mad.hi.s32 z, i, -67108864, y;",
-                 f"and.b32 s, ${j + 1}, 0x80008000;",
-                 "mad.hi.u32 z, s, 1048577, z;"]
+                 "mad.hi.s32 z, i, -67108864, y;"]
         body.append("mov.b32 acc, z;" if j == 3 else "mad.lo.u32 acc, acc, 16, z;")
-    body += [f"sub.u32 $0, acc, {E2M1_PAIR_OFFSET};", "}"]
+    body += [f"sub.u32 acc, acc, {E2M1_PAIR_OFFSET};",
+             "prmt.b32 s, $2, $4, 0xFBD9;",
+             "prmt.b32 e, $1, $3, 0xFBD9;",
+             "lop3.b32 acc, acc, e, 0x08080808, 0xF8;",
+             "lop3.b32 $0, acc, s, 0x80808080, 0xF8;", "}"]
     return Int32(_asm(T.i32(), [Int32(x) for x in pairs] + [Int32(mult2)], "\n\t".join(body),
                       "=r," + ",".join(["r"] * 5)))
 

@@ -79,8 +79,8 @@ and special blocks against ``formats.quantize_mx`` (tests/test_e2m1_rounding.py,
 the unsigned / signed amax is exact by the argument at its code. On an H200: the code at commit
 5cf471f (FP4 packing by funnel shifts, masked amax) ran bit-exact against gwgrad.formats
 (tests/test_quantize_gpu.py, 60 GPU tests) and was benchmarked (MXFP4 54-62% of a D2D copy's
-bandwidth); the mad.hi / mad.lo packing and unsigned / signed amax (04b4781) and MXFP4's packed
-path are compile- and emulation-verified only, GPU-pending (tests/test_quantize_gpu.py and
+bandwidth); the mad.hi / mad.lo packing, the unsigned / signed amax and MXFP4's packed
+path (branch wip/fp4-quant2) are compile- and emulation-verified only, GPU-pending (tests/test_quantize_gpu.py and
 ``python -m gwgrad.bench.quantize --markdown``).
 """
 

@@ -112,31 +112,54 @@ def instructions(body):
 @pytest.mark.parametrize("fmt,elem", CASES)
 def test_values_from_bf16_by_prmt(ptx_of, fmt, elem, arch):
     """Each of a thread's 32 values is its BF16 half of a shared word moved to the top by one
-    ``prmt`` (zeros below)."""
+    ``prmt`` (zeros below); MXFP4 pairs two tokens' halves of the channel by one ``prmt``
+    (and takes the signs of a word's 8 codes by 2 more)."""
     _, _, quant = kernels_of(ptx_of(fmt, elem, arch))
-    assert len(re.findall(r"\bprmt\.b32\b", quant)) == 32
+    assert len(re.findall(r"\bprmt\.b32\b", quant)) == (16 + 8 if fmt == "mxfp4" else 32)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_fp4_fast_path(ptx_of, fmt, arch):
-    """E2M1 codes by e2m1x8 (tests/test_e2m1_rounding.py emulates it on every FP32 pattern):
-    per value min / max / fma on FP32 and two funnel shifts (codes, signs), no per-value NaN
-    test. MXFP4 has no other path (its finite blocks' products are finite); NVFP4 keeps the
-    per-value e2m1_code for blocks with an infinite multiplier (one fma each). The whole
-    quantizing kernel stays within 6 PTX instructions a value of MXFP8's (it was 20)."""
-    _, _, quant = kernels_of(ptx_of(fmt, "e2m1", arch))
+def test_mxfp4_packed_path(ptx_of, arch):
+    """MXFP4 quantizes BF16 pairs (e2m1x8_bf16x2; tests/test_e2m1_rounding.py emulates it on
+    every BF16 pattern and scale): per pair one abs / mul.rn / min / max / fma.rn on bf16x2
+    and the code by one ``mad.hi.s32`` (an integer multiply-add: the FMA pipe), packed by
+    ``mad.lo`` (3 a word); per word the signs by 2 ``prmt`` and 2 ``lop3``; the block amax
+    by 16-bit maxima. No FP32 rounding of values and no funnel shifts; the kernel stays
+    within 2 PTX instructions a value of MXFP8's."""
+    _, _, quant = kernels_of(ptx_of("mxfp4", "e2m1", arch))
+    ops = ("mul.rn.bf16x2", "abs.bf16x2", "min.bf16x2", "max.bf16x2", "fma.rn.bf16x2",
+           "mad.hi.s32", "mad.lo.u32", "max.u16x2", "max.s16x2", "mul.rn.f32",
+           "fma.rn.f32", "min.f32", "max.f32", "shf.l.wrap.b32", "mad.hi.u32")
+    count = {op: len(re.findall(rf"^\s*{re.escape(op)}\s", quant, re.M)) for op in ops}
+    for op in ops[:6]:
+        assert count[op] == 16, count
+    assert count["mad.lo.u32"] == 12, count
+    assert count["max.u16x2"] == 15 and count["max.s16x2"] == 16, count
+    for op in ops[9:]:
+        assert count[op] == 0, count
+    assert len(re.findall(r"^\s*prmt\.b32\s.*0xFBD9;", quant, re.M)) == 8
+    _, _, fp8 = kernels_of(ptx_of("mxfp8", "e4m3", arch))
+    extra = len(instructions(quant)) - len(instructions(fp8))
+    assert extra <= 2 * 32, extra
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_nvfp4_fast_path(ptx_of, arch):
+    """NVFP4's E2M1 codes by e2m1x8 (tests/test_e2m1_rounding.py emulates it on every FP32
+    pattern): per value min / max on FP32, one fma rounding 2t / E against 2**23, the code by
+    one ``mad.hi`` and packed by one ``mad.lo`` (integer multiply-adds: the FMA pipe, not the
+    integer / logic pipe that bounds the kernel), the sign by one funnel shift; no per-value
+    NaN test; the per-value e2m1_code for blocks with an infinite multiplier (one fma
+    each)."""
+    _, _, quant = kernels_of(ptx_of("nvfp4", "e2m1", arch))
     count = {op: len(re.findall(rf"^\s*{re.escape(op)}\s", quant, re.M))
              for op in ("shf.r.wrap.b32", "shf.l.wrap.b32", "min.f32", "max.f32", "abs.f32",
-                        "fma.rn.f32", "lop3.b32")}
-    assert count["shf.r.wrap.b32"] == count["shf.l.wrap.b32"] == 32, count
+                        "fma.rn.f32", "lop3.b32", "mad.hi.s32", "mad.lo.u32")}
+    assert count["shf.l.wrap.b32"] == 32 and count["shf.r.wrap.b32"] == 0, count
     assert count["min.f32"] == count["max.f32"] == count["abs.f32"] == 32, count
+    assert count["mad.hi.s32"] == 32 and count["mad.lo.u32"] == 28, count  # 7 a word
     assert count["lop3.b32"] == 4, count  # one per word: the signs into the codes
-    assert count["fma.rn.f32"] == (32 if fmt == "mxfp4" else 64), count
-    if fmt == "mxfp4":
-        _, _, fp8 = kernels_of(ptx_of("mxfp8", "e4m3", arch))
-        extra = len(instructions(quant)) - len(instructions(fp8))
-        assert extra <= 6 * 32, extra
+    assert count["fma.rn.f32"] == 64, count
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -149,9 +172,13 @@ def test_ieee_fp32_arithmetic(ptx_of, fmt, elem, arch):
     assert ".ftz" not in ptx
     for op in ("div.approx", "div.full", "rcp.approx", "ex2.approx", "lg2.approx", "mad.f32"):
         assert op not in ptx, op
-    arith = re.findall(r"\b(?:add|sub|mul|div|fma)(?:\.[a-z]+)*\.f32\b", ptx)
+    arith = re.findall(r"\b(?:add|sub|mul|div|fma)(?:\.[a-z0-9]+)*\.(?:f32|bf16x2)\b", ptx)
     assert arith and all(".rn." in op for op in arith), sorted(set(arith))
-    assert "mul.rn.f32" in ptx  # values times the reciprocal of their scale
+    if fmt == "mxfp4":  # BF16 pairs times a power of two (exact), no FP32 arithmetic
+        assert not [op for op in arith if op.endswith(".f32")], sorted(set(arith))
+        assert "mul.rn.bf16x2" in ptx and "fma.rn.bf16x2" in ptx
+    else:
+        assert "mul.rn.f32" in ptx  # values times the reciprocal of their scale
     if fmt in FP32_RECIPES or fmt == "nvfp4":
         assert "div.rn.f32" in ptx  # amax / fmax (or / 2688, / 6g) and 1 / scale
     else:  # MX: the scale is a power of two built from the amax's exponent bits
@@ -239,8 +266,9 @@ def test_every_format_config_is_supported(fmt, elem):
 # --- ptxas ---------------------------------------------------------------------------------------
 
 # NVFP4: three kernels, the most FP32 divisions; 1x128: the tightest register budget (its
-# cross-quarter amax keeps the 32 values live under 3 CTAs per SM).
-@pytest.mark.parametrize("fmt,elem", [("nvfp4", "e2m1"), ("block_1x128", "e4m3")])
+# cross-quarter amax keeps the 32 values live under 3 CTAs per SM); MXFP4: the packed path.
+@pytest.mark.parametrize("fmt,elem", [("nvfp4", "e2m1"), ("block_1x128", "e4m3"),
+                                      ("mxfp4", "e2m1")])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_ptxas_assembles_without_spills(ptx_of, fmt, elem, arch, tmp_path):
     ptxas = shutil.which("ptxas")

@@ -26,13 +26,15 @@ dropped (the GEMM's device check then reports ``SCALES_TOO_SMALL``).
 
 Threads (256): the x tile is staged in shared memory with 16-byte loads (8 threads per
 128-byte token row); thread (quarter q, channel c) then reads channel c of tokens 32q..32q+31,
-takes each value as FP32 bits with one ``prmt`` (its BF16 half of the shared word), computes the
-amax of its 32 (or 2x16) values as integers on the BF16 bits (a block holding NaN or Inf gets an
-amax at or past Inf's bits, and forced codes), converts them with the block's scale (FP32
-``mul.rn`` / ``div.rn`` in inline PTX, never flushing denormals; FP8 by ``cvt.rn.satfinite``,
-E2M1 by ``e2m1x8``, below) into a shared code tile, which is stored as 16-byte vectors, 8 (FP8) or 4 (FP4) threads per channel
-row segment. Shared rows are padded by one word (no bank conflicts either way). 1x128 and
-per-channel amaxes are combined across the four quarters in shared memory.
+takes each value as FP32 bits with one ``prmt`` (its BF16 half of the shared word; MXFP4: two
+tokens' halves as one BF16x2 word, below), computes the amax of its 32 (or 2x16) values as
+integers on the BF16 bits (a block holding NaN or Inf gets an amax at or past Inf's bits, and
+forced codes), converts them with the block's scale (FP32 ``mul.rn`` / ``div.rn`` in inline
+PTX, never flushing denormals; FP8 by ``cvt.rn.satfinite``, NVFP4 by ``e2m1x8``, MXFP4 by
+``e2m1x8_bf16x2``, below) into a shared code tile, which is stored as 16-byte vectors, 8 (FP8)
+or 4 (FP4) threads per channel row segment. Shared rows are padded by one word (no bank
+conflicts either way). 1x128 and per-channel amaxes are combined across the four quarters in
+shared memory.
 
 Two-pass recipes (per_expert_channel and NVFP4 need an amax over the whole expert): after the
 prep kernel (which zeroes the records), an amax kernel on the same tiles reduces straight from
@@ -41,23 +43,45 @@ NVFP4, into the uint32 workspace (non-negative float bits order as integers; a n
 value records Inf's bits or more); then the quantizing kernel reads the amaxes. Empty experts
 get scale 1.0 (per_expert_channel) and global scale 1.0 (NVFP4) from the CTAs of tile row 0.
 
-E2M1 (MXFP4, NVFP4; SM90 has no E2M1 cvt): ``e2m1x8`` rounds eight products into one word with
-FP32 min / max / fma and two funnel shifts a value (saturate ``t = min(|q|, 6)``; ``E`` the power
-of two of ``max(t, 1)``; ``fma(t, 2**-22, E)`` is ``E`` plus ``rint(2t / E)`` ulps, the code
-being that count plus twice E's exponent, read off the bits with one shift-add; the signs are
-the values' top bits): 10 PTX / 8 SASS instructions a value, 3 more a word; the per-value
-``e2m1_code`` path took ~17 SASS (sm_90a: conversion 548 -> 266 SASS for 32 values).
-It has no per-value NaN test: a finite MXFP4 block's products are finite (``|q| < 8``) and
-non-finite blocks are forced to code 0; NVFP4's products are NaN only for ``0 * Inf``, when
-``1 / (scale * g)`` overflows (a subnormal global scale), and those blocks (a uniform branch per
-word) take ``e2m1_code``, which rounds NaN to 0.
+E2M1 (MXFP4, NVFP4; SM90 has no E2M1 cvt). NVFP4: ``e2m1x8`` rounds eight FP32 products into
+one word with FP32 min / max / fma (saturate ``t = min(|q|, 6)``; ``2 / E``, E the power of two
+of ``max(t, 1)``, by one lop3; ``fma(t, 2 / E, 2**23)`` is ``2**23 + rint(2t / E)``), the code
+``k + 2e'`` by one ``mad.hi`` and the word packed by one ``mad.lo`` a value (Horner, one offset
+subtracted a word), the signs by a funnel shift; its block amax takes an unsigned and a signed
+maximum of the raw bits (no per-value mask). NVFP4's products are NaN only for ``0 * Inf``,
+when ``1 / (scale * g)`` overflows (a subnormal global scale), and those blocks (a uniform
+branch per word) take ``e2m1_code``, which rounds NaN to 0.
 
-Verified: compile and PTX checks for sm_90a and sm_100a (tests/test_compile_quantize.py);
-the E2M1 arithmetic of ``e2m1x8`` emulated in NumPy on all 2**32 FP32 bit patterns against
-gwgrad.formats (tests/test_e2m1_rounding.py, GWGRAD_E2M1_FULL=1). Bit-exact against
-gwgrad.formats on an H200, e2m1x8 and the prmt extraction included (tests/test_quantize_gpu.py
-and tests/test_adapter_jax_quantize_gpu.py: 60 passed, session 6), and benchmarked there
-(``python -m gwgrad.bench.quantize``: docs/results/h200_bench_quantize.json).
+MXFP4: the multiplier ``2**-s`` is a power of two, so the products of BF16 values are exact in
+BF16 (but below 2**-126, where any rounding keeps them under 0.25: code 0) and two values go
+per instruction: one ``prmt`` makes a BF16x2 word of tokens ``8w + k`` and ``8w + k + 4`` of
+the channel, the block amax is the unsigned / signed maximum on 16-bit halves (VIMNMX3.U16x2 /
+.S16x2), and ``e2m1x8_bf16x2`` runs e2m1x8's rounding on bf16x2 (abs, mul.rn, min, max,
+fma.rn: HFMA2 / HMUL2 / HMNMX2), the codes by one ``mad.hi`` a pair, a word by 3 ``mad.lo``,
+its 8 signs by 2 ``prmt`` (sign-replicating bytes) and 2 ``lop3``. A finite block's products
+are finite (``|q| < 8``) and a NaN / Inf block is forced to code 0, so no per-value NaN test.
+A block of BF16 denormals (scale 2**-127) needs ``mul.rn.bf16x2`` to keep denormal inputs
+(PTX's bf16 arithmetic has no .ftz; SASS HMUL2.BF16_V2 without .FTZ): GPU-checked by
+tests/test_quantize_gpu.py::test_fp4_tiny_expert[mxfp4] once run.
+Quantizing kernel, sm_90a SASS (channels 7168), a thread (32 values): 426 instructions (13.3 a
+value; 575 before the packed path, 18.0), 182 on the integer / logic pipe (HMNMX2's 32
+counted there; 281 before) and 137 on the FMA pipe (IMAD, HFMA2, HMUL2; 189 before),
+48 registers (64 before; 4 CTAs of 256 threads an SM either way); MXFP8: 364, 160, 56.
+The kernel was estimated issue-bound at 575 (and integer-pipe-bound before 04b4781).
+
+Verified: compile and PTX checks for sm_90a and sm_100a (tests/test_compile_quantize.py,
+ptxas: no spills); ``e2m1x8``'s arithmetic (the mad.hi / mad.lo packing included) emulated in
+NumPy on all 2**32 FP32 bit patterns against gwgrad.formats (tests/test_e2m1_rounding.py,
+GWGRAD_E2M1_FULL=1); ``e2m1x8_bf16x2`` emulated step by step (BF16 rounding of mul / fma with
+subnormals, the integer and prmt steps) on every non-NaN BF16 pattern in both halves times
+every E8M0 scale (codes 0..254) against ``formats.encode``, and with the 16-bit amax on random
+and special blocks against ``formats.quantize_mx`` (tests/test_e2m1_rounding.py, by default);
+the unsigned / signed amax is exact by the argument at its code. On an H200: the code at commit
+5cf471f (FP4 packing by funnel shifts, masked amax) ran bit-exact against gwgrad.formats
+(tests/test_quantize_gpu.py, 60 GPU tests) and was benchmarked (MXFP4 54-62% of a D2D copy's
+bandwidth); the mad.hi / mad.lo packing, the unsigned / signed amax and MXFP4's packed
+path (branch wip/fp4-quant2) are compile- and emulation-verified only, GPU-pending (tests/test_quantize_gpu.py and
+``python -m gwgrad.bench.quantize --markdown``).
 """
 
 from __future__ import annotations
@@ -215,6 +239,28 @@ def bf16_to_f32(word: Int32, select: Int32) -> Int32:
                       "=r,r,r"))
 
 
+def max_u32(a: Int32, b: Int32) -> Int32:
+    """Unsigned maximum of two words (``max.u32``; ptxas folds chains into 3-input VIMNMX3)."""
+    return Int32(_asm(T.i32(), [Int32(a), Int32(b)], "max.u32 $0, $1, $2;", "=r,r,r"))
+
+
+def bf16_pair(a: Int32, b: Int32, select: Int32) -> Int32:
+    """One BF16 half of each of two words as one word, ``a``'s in the low half: ``prmt`` with
+    ``select`` 0x5410 (the low halves) or 0x7632 (the high halves)."""
+    return Int32(_asm(T.i32(), [Int32(a), Int32(b), Int32(select)], "prmt.b32 $0, $1, $2, $3;",
+                      "=r,r,r,r"))
+
+
+def max_u16x2(a: Int32, b: Int32) -> Int32:
+    """Unsigned maximum of each 16-bit half (ptxas: VIMNMX3.U16x2 chains)."""
+    return Int32(_asm(T.i32(), [Int32(a), Int32(b)], "max.u16x2 $0, $1, $2;", "=r,r,r"))
+
+
+def max_s16x2(a: Int32, b: Int32) -> Int32:
+    """Signed maximum of each 16-bit half (ptxas: VIMNMX3.S16x2 chains)."""
+    return Int32(_asm(T.i32(), [Int32(a), Int32(b)], "max.s16x2 $0, $1, $2;", "=r,r,r"))
+
+
 def st_global_v4(address: Int64, w0: Int32, w1: Int32, w2: Int32, w3: Int32) -> None:
     """Four words to a 16-byte aligned global address."""
     _asm(None, [Int64(address), Int32(w0), Int32(w1), Int32(w2), Int32(w3)],
@@ -280,9 +326,14 @@ def e2m1_code(q: Int32) -> Int32:
 
 
 #: E2M1 rounding constants of ``e2m1x8`` (FP32, PTX hex): 6.0 (saturation), 1.0 (the smallest
-#: binade with a one-bit mantissa; below it the step stays 0.5), 2**-22 (``t * 2**-22`` on the
-#: grid of ``E``'s ulp, ``E * 2**-23``, is ``2t / E`` ulps).
-E2M1_SAT, E2M1_ONE, E2M1_SCALE = "0f40C00000", "0f3F800000", "0f34800000"
+#: binade with a one-bit mantissa; below it the step stays 0.5), 2**23 (adding it rounds
+#: ``2t / E`` to an integer: its ulp is 1).
+E2M1_SAT, E2M1_ONE, E2M1_MAGIC = "0f40C00000", "0f3F800000", "0f4B000000"
+
+
+#: ``K`` of ``e2m1x8``: the eight per-value offsets ``0x4AFFFF00`` summed at their nibbles
+#: (``0x4AFFFF00 * 0x11111111 mod 2**32``), subtracted once per word.
+E2M1_PACK_OFFSET = (0x4AFFFF00 * 0x11111111) % (1 << 32)
 
 
 def e2m1x8(v, mult: Int32) -> Int32:
@@ -290,43 +341,101 @@ def e2m1x8(v, mult: Int32) -> Int32:
     codes, bit-exact with ``e2m1_code(f32_mul(v[k], mult))`` whenever the product is not NaN
     (``mult`` positive; a NaN product only comes from a NaN / Inf value, whose block is forced,
     or from ``0 * Inf``: NVFP4's blocks with an infinite multiplier, which take e2m1_code).
-    Per value (SASS: FMUL, 2 FMNMX, LOP3, FFMA, LEA.HI, 2 SHF):
+    Per value (SASS: FMUL, 2 FMNMX, LOP3, FFMA, IMAD.HI, IMAD, SHF: 4 on the integer / logic
+    pipe, which bounds this kernel, 4 on the FMA pipe):
 
         q = v * mult                      mul.rn (the model's product)
         t = min(|q|, 6)                   saturation (Inf too); the abs folds into FMNMX
-        E = max(t, 1) & 0x7F800000        the power of two of t's binade, 1 below 1
-        r = fma(t, 2**-22, E)             = E + k ulps of E, k = rint(2t / E) (one rounding,
-                                          ties to even: E's mantissa is 0): round(2t) below 2,
-                                          round(t) in [2, 4), round(t / 2) in [4, 6]
-        c = r + (r >> 22)                 low byte: k + 2 * (127 + e') = 254 + code (E = 2**e',
-                                          code = k + 2e' <= 7): low 3 bits code + 6 (mod 8)
-        codes = (c:codes) >> 4            funnel shift: c's low nibble enters at the top
+        m = max(t, 1)                     exponent field x = 127 + e' (e' in 0..2: E = 2**e'
+                                          the power of two of t's binade, 1 below 1)
+        i = ~m & 0x7F800000               2 / E (exponent field 255 - x = 128 - e')
+        y = fma(t, i, 2**23)              2**23 + k, k = rint(2t / E) (one rounding, ties to
+                                          even: 2**23 is even and its ulp is 1): round(2t)
+                                          below 2, round(t) in [2, 4), round(t / 2) in [4, 6]
+        z = mad.hi.s32(i, -1024, y)       y's bits + 2e' - 256 = 0x4AFFFF00 + code (code =
+                                          k + 2e' <= 7; i's low 23 bits are 0: exact)
+        acc = acc * 16 + z                Horner from v[7] down to v[0] (mad.lo)
         signs = (signs:v) << 4            funnel shift: v's top nibble (the sign in its bit 3)
                                           enters at the bottom (values taken 7 down to 0)
 
-    and per word ``((codes & 0x77777777) + 0x22222222)`` (each nibble's low 3 bits + 2: the
-    code; the carry stays in the nibble's bit 3), its bit 3s replaced by the signs. 10 PTX
-    (8 SASS) instructions a value against ~24 (~17) for ``e2m1_code``, its multiply and its
-    packing.
-    tests/test_e2m1_rounding.py checks this arithmetic on every FP32 bit pattern."""
-    body = ["{", ".reg .f32 q, t;", ".reg .b32 e, r, c, x, codes, signs;",
-            "mov.b32 codes, 0;", "mov.b32 signs, 0;"]
-    for k in range(8):
+    and per word ``acc - E2M1_PACK_OFFSET`` (the nibbles are the codes: each <= 7, so no
+    carries), its bit 3s replaced by the signs. 8 PTX instructions a value (4 of them on the
+    integer pipe, against 6 for the funnel-shift packing of the previous version and ~17
+    SASS for ``e2m1_code``). tests/test_e2m1_rounding.py checks this arithmetic on every
+    FP32 bit pattern."""
+    body = ["{", ".reg .f32 q, t, m;", ".reg .b32 i, y, z, acc, signs;",
+            "mov.b32 signs, 0;"]
+    for k in reversed(range(8)):
         body += [f"mul.rn.f32 q, ${k + 1}, $9;",
                  "abs.f32 q, q;",
                  f"min.f32 t, q, {E2M1_SAT};",
-                 f"max.f32 e, t, {E2M1_ONE};",
-                 "and.b32 e, e, 0x7F800000;",
-                 f"fma.rn.f32 r, t, {E2M1_SCALE}, e;",
-                 "shr.u32 x, r, 22;",
-                 "add.u32 c, r, x;",
-                 "shf.r.wrap.b32 codes, codes, c, 4;"]
-    for k in reversed(range(8)):
+                 f"max.f32 m, t, {E2M1_ONE};",
+                 "not.b32 i, m;",
+                 "and.b32 i, i, 0x7F800000;",
+                 f"fma.rn.f32 y, t, i, {E2M1_MAGIC};",
+                 "mad.hi.s32 z, i, -1024, y;"]
+        body.append("mov.b32 acc, z;" if k == 7 else "mad.lo.u32 acc, acc, 16, z;")
         body.append(f"shf.l.wrap.b32 signs, ${k + 1}, signs, 4;")
-    body += ["and.b32 codes, codes, 0x77777777;", "add.u32 codes, codes, 0x22222222;",
-             "lop3.b32 $0, codes, signs, 0x88888888, 0xD8;", "}"]
+    body += [f"sub.u32 acc, acc, {E2M1_PACK_OFFSET};",
+             "lop3.b32 $0, acc, signs, 0x88888888, 0xD8;", "}"]
     return Int32(_asm(T.i32(), [Int32(x) for x in v] + [Int32(mult)], "\n\t".join(body),
                       "=r," + ",".join(["r"] * 9)))
+
+
+#: ``K`` of ``e2m1x8_bf16x2``: the pair offset ``0x42004200`` (0x4200 a half) summed at nibbles
+#: 0..3 (Horner), subtracted once per word.
+E2M1_PAIR_OFFSET = (0x42004200 * 0x1111) % (1 << 32)
+
+
+def e2m1x8_bf16x2(pairs, mult2: Int32) -> Int32:
+    """MXFP4's eight E2M1 codes of a word from four BF16x2 words: ``pairs[j]`` holds the values
+    of nibble j (low half) and nibble j + 4 (high half); ``mult2`` is the block's multiplier
+    ``2**-s`` in both halves (BF16, a normal power of two: ``-s`` in -125..127). Bit-exact with
+    ``formats.encode(x * 2**-s, "e2m1")`` for every non-NaN BF16 ``x`` and any such scale
+    (NaN / Inf blocks are forced to 0 by the caller); tests/test_e2m1_rounding.py checks every
+    BF16 pattern in both halves against every E8M0 scale. Per pair (two values; SASS: HFMA2
+    (the abs), HMUL2, 2 HMNMX2, LOP3, HFMA2, IMAD.HI, 3/4 IMAD):
+
+        q = mul.rn.bf16x2(|p|, mult2)     exact while q >= 2**-126 (a power-of-two scaling);
+                                          smaller products (rounded, or flushed) stay below
+                                          2**-126 < 0.25: code 0 either way
+        t = min(q, 6)                     saturation (a product past 6, or Inf, gives 7)
+        m = max(t, 1)                     exponent field 127 + e' (e' in 0..2: E = 2**e')
+        i = ~m & 0x7F807F80               2 / E a half (field 128 - e')
+        y = fma.rn.bf16x2(t, i, 128)      128 + k, k = rint(2t / E): ulp 1 in [128, 256), ties
+                                          to even (128 even), one rounding: bits 0x4300 + k
+        z = mad.hi.s32(i, -2**26, y)      y - (i >> 6) (i's low 7 bits are 0): a half is
+                                          0x4300 + k - 2 (128 - e') = 0x4200 + code, code =
+                                          k + 2e' <= 7 (the halves never borrow)
+        acc = acc * 16 + z                Horner, pairs 3 down to 0 (mad.lo, mod 2**32)
+
+    and per word ``acc - E2M1_PAIR_OFFSET``: nibble j is pair j's low code, nibble j + 4 its
+    high code (``16**j * 2**16 = 16**(j + 4)``), all < 8 (no carries, bit 3s clear); then the
+    signs: ``prmt`` 0xFBD9 of pairs 1 and 3 replicates each value's sign over a byte, in the
+    order of tokens 1, 3, 5, 7 (the bit 7s of the word's bytes: their nibbles' bit 3), of
+    pairs 0 and 2 tokens 0, 2, 4, 6 (the bit 3s), merged by two ``lop3``. The rounding is
+    e2m1x8's (its constants scaled to BF16) on values exact in BF16; only the packing
+    differs."""
+    body = ["{", ".reg .b32 q, t, m, i, y, z, s, e, acc, six, one, magic;",
+            "mov.b32 six, 0x40C040C0;", "mov.b32 one, 0x3F803F80;",
+            "mov.b32 magic, 0x43004300;"]
+    for j in reversed(range(4)):
+        body += [f"abs.bf16x2 q, ${j + 1};",
+                 "mul.rn.bf16x2 q, q, $5;",
+                 "min.bf16x2 t, q, six;",
+                 "max.bf16x2 m, t, one;",
+                 "not.b32 i, m;",
+                 "and.b32 i, i, 0x7F807F80;",
+                 "fma.rn.bf16x2 y, t, i, magic;",
+                 "mad.hi.s32 z, i, -67108864, y;"]
+        body.append("mov.b32 acc, z;" if j == 3 else "mad.lo.u32 acc, acc, 16, z;")
+    body += [f"sub.u32 acc, acc, {E2M1_PAIR_OFFSET};",
+             "prmt.b32 s, $2, $4, 0xFBD9;",
+             "prmt.b32 e, $1, $3, 0xFBD9;",
+             "lop3.b32 acc, acc, e, 0x08080808, 0xF8;",
+             "lop3.b32 $0, acc, s, 0x80808080, 0xF8;", "}"]
+    return Int32(_asm(T.i32(), [Int32(x) for x in pairs] + [Int32(mult2)], "\n\t".join(body),
+                      "=r," + ",".join(["r"] * 5)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,6 +456,8 @@ class GroupedQuantizer:
         # CTAs per SM the registers must allow (latency hiding): 4 (<= 64 registers) but for
         # 1x128, whose cross-quarter amax keeps the 32 values live (3: <= 80, no spills).
         self.min_blocks = 3 if cfg.recipe == "block_1x128" else 4
+        # MXFP4 quantizes BF16 pairs (its multiplier is a power of two: exact in BF16).
+        self.packed = cfg.elem == "e2m1" and not cfg.nvfp4
 
     @cute.jit
     def __call__(
@@ -657,27 +768,76 @@ class GroupedQuantizer:
             for k in cutlass.range_constexpr(4):
                 xs[token * X_ROW_WORDS + chunk * 4 + k] = w[k]
         cute.arch.sync_threads()
-        # This thread's column: FP32 bits of channel c_local, tokens 32 q .. 32 q + 31.
-        vals = cute.make_rmem_tensor(TOKENS_PER_THREAD, Int32)
-        # The even channel is the low half of its word: one prmt moves the half to the top.
-        select = Int32(0x1044) + Int32(0x2200) * (c_local % 2)
-        for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
-            word = xs[(quarter * TOKENS_PER_THREAD + i) * X_ROW_WORDS + c_local // 2]
-            vals[i] = bf16_to_f32(word, select)
+        if cutlass.const_expr(self.packed):
+            self.tile_packed(q_ptr, sf_ptr, gs_ptr, ws, red, xs, qs, expert, j, tile_begin,
+                             tile_valid, n_valid, s_e, c_e, ch, c_local, quarter, live,
+                             tokens_sum, sf_capacity)
+        else:
+            # This thread's column: FP32 bits of channel c_local, tokens 32 q .. 32 q + 31.
+            vals = cute.make_rmem_tensor(TOKENS_PER_THREAD, Int32)
+            # The even channel is the low half of its word: one prmt moves the half to the top.
+            select = Int32(0x1044) + Int32(0x2200) * (c_local % 2)
+            for i in cutlass.range_constexpr(TOKENS_PER_THREAD):
+                word = xs[(quarter * TOKENS_PER_THREAD + i) * X_ROW_WORDS + c_local // 2]
+                vals[i] = bf16_to_f32(word, select)
 
-        # Block amaxes of the magnitudes' bits (NONFINITE when a block holds NaN / Inf).
-        group = TOKENS_PER_THREAD if cfg.sf_vec != 16 else 16
-        groups = TOKENS_PER_THREAD // group
-        amax = cute.make_rmem_tensor(groups, Int32)
-        bad = cute.make_rmem_tensor(groups, Int32)
-        for g in cutlass.range_constexpr(groups):
-            m = Int32(0)
-            for i in cutlass.range_constexpr(group):
-                m = cutlass.max(m, vals[g * group + i] & 0x7FFFFFFF)
-            amax[g] = m  # its codes are forced below when the block is not finite
-            bad[g] = Int32(m >= NONFINITE)
+            # Block amaxes of the magnitudes' bits (NONFINITE when a block holds NaN / Inf).
+            group = TOKENS_PER_THREAD if cfg.sf_vec != 16 else 16
+            groups = TOKENS_PER_THREAD // group
+            amax = cute.make_rmem_tensor(groups, Int32)
+            bad = cute.make_rmem_tensor(groups, Int32)
+            for g in cutlass.range_constexpr(groups):
+                if cutlass.const_expr(cfg.elem == "e2m1"):
+                    # No per-value mask: the unsigned maximum of the bits is the largest negative
+                    # magnitude (with the sign bit) when there is a negative value, the signed
+                    # maximum the largest non-negative one when there is one (else negative).
+                    mu = vals[g * group]
+                    ms = vals[g * group]
+                    for i in cutlass.range_constexpr(1, group):
+                        mu = max_u32(mu, vals[g * group + i])
+                        ms = cutlass.max(ms, vals[g * group + i])
+                    m = cutlass.max(mu & 0x7FFFFFFF, ms)
+                else:
+                    m = Int32(0)
+                    for i in cutlass.range_constexpr(group):
+                        m = cutlass.max(m, vals[g * group + i] & 0x7FFFFFFF)
+                amax[g] = m  # its codes are forced below when the block is not finite
+                bad[g] = Int32(m >= NONFINITE)
 
-        self.quantize(q_ptr, sf_ptr, gs_ptr, ws, red, qs, vals, amax, bad, expert, j,
+            self.quantize(q_ptr, sf_ptr, gs_ptr, ws, red, qs, vals, amax, bad, expert, j,
+                          tile_begin, tile_valid, n_valid, s_e, c_e, ch, c_local, quarter, live,
+                          tokens_sum, sf_capacity)
+
+    @cute.jit
+    def tile_packed(self, q_ptr, sf_ptr, gs_ptr, ws, red, xs, qs, expert, j, tile_begin,
+                    tile_valid, n_valid, s_e, c_e, ch, c_local, quarter, live, tokens_sum,
+                    sf_capacity):
+        """MXFP4: the thread's 32 BF16 values as 16 BF16x2 words (pair 4w + k: tokens 8w + k
+        and 8w + k + 4, one prmt of two shared words), the block amax by packed 16-bit maxima,
+        codes by ``e2m1x8_bf16x2``."""
+        pairs = cute.make_rmem_tensor(TOKENS_PER_THREAD // 2, Int32)
+        # The even channel is the low half of its word.
+        select = Int32(0x5410) + Int32(0x2222) * (c_local % 2)
+        for w in cutlass.range_constexpr(TOKENS_PER_THREAD // 8):
+            for k in cutlass.range_constexpr(4):
+                row = quarter * TOKENS_PER_THREAD + 8 * w + k
+                lo = xs[row * X_ROW_WORDS + c_local // 2]
+                hi = xs[(row + 4) * X_ROW_WORDS + c_local // 2]
+                pairs[4 * w + k] = bf16_pair(lo, hi, select)
+        # The unsigned / signed maxima of tile()'s FP4 amax, on each 16-bit half; then the
+        # larger half, as FP32 bits (a half >= 0x7F80: NaN / Inf in the block).
+        mu = pairs[0]
+        ms = pairs[0]
+        for i in cutlass.range_constexpr(1, TOKENS_PER_THREAD // 2):
+            mu = max_u16x2(mu, pairs[i])
+            ms = max_s16x2(ms, pairs[i])
+        m = max_s16x2(mu & 0x7FFF7FFF, ms)
+        m = max_u32(m << 16, m & Int32(-65536))
+        amax = cute.make_rmem_tensor(1, Int32)
+        bad = cute.make_rmem_tensor(1, Int32)
+        amax[0] = m
+        bad[0] = Int32(m >= NONFINITE)
+        self.quantize(q_ptr, sf_ptr, gs_ptr, ws, red, qs, pairs, amax, bad, expert, j,
                       tile_begin, tile_valid, n_valid, s_e, c_e, ch, c_local, quarter, live,
                       tokens_sum, sf_capacity)
 
@@ -779,7 +939,13 @@ class GroupedQuantizer:
         words_per_thread = TOKENS_PER_THREAD // tokens_per_word
         for w in cutlass.range_constexpr(words_per_thread):
             g = (w * tokens_per_word) // group
-            if cutlass.const_expr(fp4):
+            if cutlass.const_expr(self.packed):
+                # mult: 2**-s as FP32 bits, a normal power of two; as BF16 in both halves
+                word = e2m1x8_bf16x2([vals[w * 4 + k] for k in range(4)],
+                                     mult[g] | ((mult[g] >> 16) & 0xFFFF))
+                if forced[g] != 0:
+                    word = Int32(0)
+            elif cutlass.const_expr(fp4):
                 word = e2m1x8([vals[w * 8 + k] for k in range(8)], mult[g])
                 if cutlass.const_expr(cfg.nvfp4):
                     # An infinite multiplier (1 / a subnormal scale * g): 0 * Inf is NaN,

@@ -57,7 +57,7 @@ def test_every_tile_compiles(tile):
 @pytest.mark.parametrize("tile,cluster,match", [
     ((128, 96), (1, 1), "mma_tiler_mn"),
     ((256, 256), (1, 1), "mma_tiler_mn"),  # 256 accumulator registers per thread
-    ((128, 256), (2, 2), "cluster_shape_mn"),
+    ((128, 256), (2, 4), "cluster_shape_mn"),
     ((128, 128), (4, 1), "cluster_shape_mn"),
 ])
 def test_unsupported_tiling_is_a_value_error(tile, cluster, match):
@@ -120,11 +120,14 @@ def test_epilogue_buffer_sets_rejected(arch, tile, sets):
     ((128, 128), (2, 1), dict(out="float32", acc=True)),
     ((128, 256), (1, 2), dict(mode="discrete", order="tensor_ragged", a_major="k")),
     ((64, 128), (2, 1), dict(out="float16", b_major="k", mode="discrete", acc=True)),
-], ids=["pp-1x2", "pp-2x1-f32-acc", "coop-1x2-discrete-ragged", "pp64-2x1-f16-discrete-acc"])
+    ((128, 128), (2, 2), {}),
+    ((128, 128), (2, 2), dict(out="float32", acc=True, mode="discrete", a_major="k")),
+], ids=["pp-1x2", "pp-2x1-f32-acc", "coop-1x2-discrete-ragged", "pp64-2x1-f16-discrete-acc",
+        "pp-2x2", "pp-2x2-f32-acc-discrete"])
 def test_cluster_pairs_compile(tile, cluster, kw):
-    """A 1x2 (2x1) CTA pair multicasts A (B): the unit tile is the cluster's, each CTA
-    computes its half; compile-verified only (tests/test_sm90_kernel_gpu.py has the GPU
-    test)."""
+    """A 1x2 (2x1) CTA pair multicasts A (B), a 2x2 quad both: the unit tile is the
+    cluster's, each CTA computes its part (tests/test_sm90_kernel_gpu.py has the GPU
+    tests)."""
     from gwgrad.backends import finalize_spec
 
     s = spec("sm_90a", tile=tile, cluster=cluster, **kw)

@@ -12,7 +12,7 @@ import pytest
 from gwgrad.kernels.tiling import PROBLEMS, SM90_TILES, epi_buffer_sets_problem
 
 TILES = list(itertools.product((64, 128, 256), (64, 96, 128, 160, 192, 224, 256)))
-CLUSTERS = [(1, 1), (2, 1), (4, 1), (1, 2)]
+CLUSTERS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
 COMBOS = [(arch, tile, cluster) for arch in ("sm_90a", "sm_100a")
           for tile in TILES for cluster in CLUSTERS]
 

@@ -29,14 +29,16 @@ Warp roles (384 threads, one CTA per SM, persistent):
                               two groups' epilogues overlap too (for short experts, where a
                               unit's epilogue outlasts its mainloop).
 
-Clusters (BF16 only): (1, 1); or a CTA pair, (1, 2) sharing A or (2, 1) sharing B. A unit is
-then the cluster's tile (the prep kernel, the unit order and the descriptors are the 1x1
-kernel's over that tile), each CTA computes its half, and each loads one slice of the shared
-operand by TMA multicast into both CTAs' stages (half the L2 reads of that operand); the `ab`
-pipeline's consumer releases reach both CTAs' producers. Both CTAs must walk the same units:
-pairs take a static persistent order (cluster c: units c, c + clusters, ...; the grid is the
-resident clusters), not the atomic counter. Half a unit past the output (an odd tile count)
-is loaded as zeros and stored nowhere, so the pair stays in step.
+Clusters (BF16 only): (1, 1); a CTA pair, (1, 2) sharing A or (2, 1) sharing B; or a 2x2
+quad, each CTA sharing A with its row peer and B with its column peer. A unit is then the
+cluster's tile (the prep kernel, the unit order and the descriptors are the 1x1 kernel's over
+that tile), each CTA computes its part, and each loads one slice of every operand it shares by
+TMA multicast into its peers' stages too (half the L2 reads of that operand); the `ab`
+pipeline's consumer releases reach every CTA that writes into a stage (itself, its row and
+column peers). The cluster's CTAs must walk the same units: clusters take a static persistent
+order (cluster c: units c, c + clusters, ...; the grid is the resident clusters), not the
+atomic counter. A part of a unit past the output (an odd tile count) is loaded as zeros and
+stored nowhere, so the cluster stays in step.
 
 Pipelines: `ab` (TMA -> WGMMA, mbarriers with transaction counts), `sched` (unit ids, producer
 warp -> all consumer threads), and the TMA store of the epilogue (bulk async groups).
@@ -93,7 +95,7 @@ from .common import (
     token_origin,
     unit_tile_coords,
 )
-from .tiling import epi_buffer_sets_problem
+from .tiling import SM90_CLUSTERS, epi_buffer_sets_problem
 
 SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_90")  # 227 KiB per CTA
 SCHED_STAGES = 4
@@ -184,9 +186,10 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         """(argument, detail) of the first reason this kernel cannot run `cfg`, or None."""
         pingpong = cfg.schedule == "pingpong"
         cluster = (cfg.cluster_m, cfg.cluster_n)
-        if cluster not in ((1, 1), (1, 2), (2, 1)) or (cfg.scale_recipe and cluster != (1, 1)):
+        if cluster not in SM90_CLUSTERS or (cfg.scale_recipe and cluster != (1, 1)):
             return ("cluster_shape_mn",
-                    f"the SM90 kernel runs (1, 1), (1, 2) or (2, 1) clusters (the scaled one "
+                    f"the SM90 kernel runs {', '.join(map(str, SM90_CLUSTERS))} clusters (the "
+                    f"scaled one "
                     f"(1, 1)), got {cluster}")
         cta_m, cta_n = cfg.tile_m // cfg.cluster_m, cfg.tile_n // cfg.cluster_n
         # Each consumer warp group's accumulator must fit its registers.

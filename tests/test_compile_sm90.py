@@ -21,14 +21,16 @@ def check_hopper_ptx(ptx: str, accumulate: bool, cluster: bool = False) -> None:
     check_offsets_check_ptx(ptx)
     assert "wgmma.mma_async.sync.aligned" in ptx
     assert "setmaxnreg" in ptx  # producer / consumer register split
-    if cluster:  # multicast TMA loads into the pair, static unit order, cluster barriers
+    assert "atom.global.add" in ptx  # dynamic unit counter
+    if cluster:  # multicast TMA loads into the cluster, cluster barriers
         assert ".multicast::cluster" in ptx and "barrier.cluster.arrive" in ptx
         assert "mapa" in ptx or "shared::cluster" in ptx  # releases reach the peer's barriers
-        assert "atom.global.add" not in ptx
+        # The leader hands its peers each unit id: st.async completing their barrier, and
+        # their acknowledgements arrive on the leader's.
+        assert "st.async" in ptx and "mbarrier::complete_tx" in ptx
     else:
         assert "cp.async.bulk.tensor" in ptx and ".shared::cta.global" in ptx  # TMA loads
-        assert ".multicast::cluster" not in ptx
-        assert "atom.global.add" in ptx  # dynamic unit counter
+        assert ".multicast::cluster" not in ptx and "st.async" not in ptx
     assert "fence.proxy.tensormap::generic.acquire" in ptx  # per-expert descriptors
     if accumulate:
         assert "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx

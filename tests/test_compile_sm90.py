@@ -21,14 +21,16 @@ def check_hopper_ptx(ptx: str, accumulate: bool, cluster: bool = False) -> None:
     check_offsets_check_ptx(ptx)
     assert "wgmma.mma_async.sync.aligned" in ptx
     assert "setmaxnreg" in ptx  # producer / consumer register split
-    if cluster:  # multicast TMA loads into the pair, static unit order, cluster barriers
+    assert "atom.global.add" in ptx  # dynamic unit counter
+    if cluster:  # multicast TMA loads into the cluster, cluster barriers
         assert ".multicast::cluster" in ptx and "barrier.cluster.arrive" in ptx
         assert "mapa" in ptx or "shared::cluster" in ptx  # releases reach the peer's barriers
-        assert "atom.global.add" not in ptx
+        # The leader hands its peers each unit id: st.async completing their barrier, and
+        # their acknowledgements arrive on the leader's.
+        assert "st.async" in ptx and "mbarrier::complete_tx" in ptx
     else:
         assert "cp.async.bulk.tensor" in ptx and ".shared::cta.global" in ptx  # TMA loads
-        assert ".multicast::cluster" not in ptx
-        assert "atom.global.add" in ptx  # dynamic unit counter
+        assert ".multicast::cluster" not in ptx and "st.async" not in ptx
     assert "fence.proxy.tensormap::generic.acquire" in ptx  # per-expert descriptors
     if accumulate:
         assert "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx
@@ -57,7 +59,7 @@ def test_every_tile_compiles(tile):
 @pytest.mark.parametrize("tile,cluster,match", [
     ((128, 96), (1, 1), "mma_tiler_mn"),
     ((256, 256), (1, 1), "mma_tiler_mn"),  # 256 accumulator registers per thread
-    ((128, 256), (2, 2), "cluster_shape_mn"),
+    ((128, 256), (2, 4), "cluster_shape_mn"),
     ((128, 128), (4, 1), "cluster_shape_mn"),
 ])
 def test_unsupported_tiling_is_a_value_error(tile, cluster, match):
@@ -120,11 +122,14 @@ def test_epilogue_buffer_sets_rejected(arch, tile, sets):
     ((128, 128), (2, 1), dict(out="float32", acc=True)),
     ((128, 256), (1, 2), dict(mode="discrete", order="tensor_ragged", a_major="k")),
     ((64, 128), (2, 1), dict(out="float16", b_major="k", mode="discrete", acc=True)),
-], ids=["pp-1x2", "pp-2x1-f32-acc", "coop-1x2-discrete-ragged", "pp64-2x1-f16-discrete-acc"])
+    ((128, 128), (2, 2), {}),
+    ((128, 128), (2, 2), dict(out="float32", acc=True, mode="discrete", a_major="k")),
+], ids=["pp-1x2", "pp-2x1-f32-acc", "coop-1x2-discrete-ragged", "pp64-2x1-f16-discrete-acc",
+        "pp-2x2", "pp-2x2-f32-acc-discrete"])
 def test_cluster_pairs_compile(tile, cluster, kw):
-    """A 1x2 (2x1) CTA pair multicasts A (B): the unit tile is the cluster's, each CTA
-    computes its half; compile-verified only (tests/test_sm90_kernel_gpu.py has the GPU
-    test)."""
+    """A 1x2 (2x1) CTA pair multicasts A (B), a 2x2 quad both: the unit tile is the
+    cluster's, each CTA computes its part (tests/test_sm90_kernel_gpu.py has the GPU
+    tests)."""
     from gwgrad.backends import finalize_spec
 
     s = spec("sm_90a", tile=tile, cluster=cluster, **kw)

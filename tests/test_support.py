@@ -12,7 +12,7 @@ import pytest
 from gwgrad.kernels.tiling import PROBLEMS, SM90_TILES, epi_buffer_sets_problem
 
 TILES = list(itertools.product((64, 128, 256), (64, 96, 128, 160, 192, 224, 256)))
-CLUSTERS = [(1, 1), (2, 1), (4, 1), (1, 2)]
+CLUSTERS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
 COMBOS = [(arch, tile, cluster) for arch in ("sm_90a", "sm_100a")
           for tile in TILES for cluster in CLUSTERS]
 
@@ -137,8 +137,8 @@ def test_the_sm90_default_epilogue_buffer_sets_follow_the_output_size(hidden, in
 
 
 def test_the_grid_is_whole_resident_clusters(monkeypatch):
-    """1x1: one CTA per SM (or per unit); pairs: whole clusters, no more than are resident at
-    once (the pairs' unit order is static)."""
+    """1x1: one CTA per SM (or per unit); clusters: whole clusters, no more than are resident
+    at once (persistent, like the 1x1 grid)."""
     from types import SimpleNamespace
 
     from gwgrad.backends import _cutedsl
@@ -150,3 +150,4 @@ def test_the_grid_is_whole_resident_clusters(monkeypatch):
     assert _cutedsl.grid_size(cfg(7), 0) == 7
     assert _cutedsl.grid_size(cfg(1000, 1, 2), 0) == 120
     assert _cutedsl.grid_size(cfg(7, 2, 1), 0) == 14  # a unit is a cluster's tile
+    assert _cutedsl.grid_size(cfg(1000, 2, 2), 0) == 240

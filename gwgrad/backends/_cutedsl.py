@@ -171,8 +171,8 @@ def grid_size(cfg: Any, device_id: int) -> int:
     size = cluster_size(cfg)
     if size == 1:
         return whole_clusters(cfg, _sm_count(device_id))
-    # Static unit order per cluster (the SM90 pairs): launch no more clusters than can be
-    # resident at once, or the ones that wait would run their whole share afterwards.
+    # Clusters (the SM90 pairs and quads): persistent too, no more clusters than can be
+    # resident at once (their leaders take units from the counter).
     return whole_clusters(cfg, _max_active_clusters(device_id, size))
 
 

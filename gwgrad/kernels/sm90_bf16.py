@@ -29,14 +29,18 @@ Warp roles (384 threads, one CTA per SM, persistent):
                               two groups' epilogues overlap too (for short experts, where a
                               unit's epilogue outlasts its mainloop).
 
-Clusters (BF16 only): (1, 1); or a CTA pair, (1, 2) sharing A or (2, 1) sharing B. A unit is
-then the cluster's tile (the prep kernel, the unit order and the descriptors are the 1x1
-kernel's over that tile), each CTA computes its half, and each loads one slice of the shared
-operand by TMA multicast into both CTAs' stages (half the L2 reads of that operand); the `ab`
-pipeline's consumer releases reach both CTAs' producers. Both CTAs must walk the same units:
-pairs take a static persistent order (cluster c: units c, c + clusters, ...; the grid is the
-resident clusters), not the atomic counter. Half a unit past the output (an odd tile count)
-is loaded as zeros and stored nowhere, so the pair stays in step.
+Clusters (BF16 only): (1, 1); a CTA pair, (1, 2) sharing A or (2, 1) sharing B; or a 2x2
+quad, each CTA sharing A with its row peer and B with its column peer. A unit is then the
+cluster's tile (the prep kernel, the unit order and the descriptors are the 1x1 kernel's over
+that tile), each CTA computes its part, and each loads one slice of every operand it shares by
+TMA multicast into its peers' stages too (half the L2 reads of that operand); the `ab`
+pipeline's consumer releases reach every CTA that writes into a stage (itself, its row and
+column peers). The cluster's CTAs must walk the same units: the leader (rank 0) takes each
+from the atomic counter, as a 1x1 CTA does, and hands it to its peers through a small
+mailbox in their shared memory (st.async completing their barrier; they acknowledge on the
+leader's: cluster_next_unit), one unit ahead of use; the grid is the resident clusters. A
+part of a unit past the output (an odd tile count) is loaded as zeros and stored nowhere, so
+the cluster stays in step.
 
 Pipelines: `ab` (TMA -> WGMMA, mbarriers with transaction counts), `sched` (unit ids, producer
 warp -> all consumer threads), and the TMA store of the epilogue (bulk async groups).
@@ -71,6 +75,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, Int64
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
@@ -93,10 +98,11 @@ from .common import (
     token_origin,
     unit_tile_coords,
 )
-from .tiling import epi_buffer_sets_problem
+from .tiling import SM90_CLUSTERS, epi_buffer_sets_problem
 
 SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_90")  # 227 KiB per CTA
 SCHED_STAGES = 4
+MBOX_STAGES = 4  # clusters: unit ids the leader CTA hands its peers ahead of use
 SMEM_RESERVED = 2048  # mbarriers, the unit ring, alignment
 MAX_AB_STAGE = 8
 
@@ -184,9 +190,10 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         """(argument, detail) of the first reason this kernel cannot run `cfg`, or None."""
         pingpong = cfg.schedule == "pingpong"
         cluster = (cfg.cluster_m, cfg.cluster_n)
-        if cluster not in ((1, 1), (1, 2), (2, 1)) or (cfg.scale_recipe and cluster != (1, 1)):
+        if cluster not in SM90_CLUSTERS or (cfg.scale_recipe and cluster != (1, 1)):
             return ("cluster_shape_mn",
-                    f"the SM90 kernel runs (1, 1), (1, 2) or (2, 1) clusters (the scaled one "
+                    f"the SM90 kernel runs {', '.join(map(str, SM90_CLUSTERS))} clusters (the "
+                    f"scaled one "
                     f"(1, 1)), got {cluster}")
         cta_m, cta_n = cfg.tile_m // cfg.cluster_m, cfg.tile_n // cfg.cluster_n
         # Each consumer warp group's accumulator must fit its registers.
@@ -341,7 +348,18 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout_staged)], 1024
             ]
 
-        return SharedStorage
+        if cutlass.const_expr(self.cluster_size == 1):
+            return SharedStorage
+
+        @cute.struct
+        class ClusterStorage:
+            gemm: SharedStorage
+            # The unit mailbox (cluster_next_unit): full barriers (the peers'), empty
+            # barriers (the leader's), one 16-byte slot per stage.
+            mbox_mbar: cute.struct.MemRange[Int64, MBOX_STAGES * 2]
+            mbox_slots: cute.struct.Align[cute.struct.MemRange[Int32, MBOX_STAGES * 4], 16]
+
+        return ClusterStorage
 
     # ------------------------------------------------------------------------------------
     # prep kernel hooks (the kernel itself is GroupedWgradKernel.prep_kernel)
@@ -419,6 +437,16 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         sched_slots = cute.make_tensor(
             storage.sched_slots.data_ptr(), cute.make_layout((4, SCHED_STAGES))
         )
+        mailbox = self.mailbox(all_storage)
+        if cutlass.const_expr(mailbox is not None):
+            # Full: one local arrive (the peer's expect-tx) + the leader's 4-byte st.async;
+            # empty (the leader's): one arrive per peer. Published to the cluster by the
+            # fence and the cluster barrier below.
+            if warp_idx == 0 and tidx == 0:
+                for i in cutlass.range_constexpr(MBOX_STAGES):
+                    cute.arch.mbarrier_init(mailbox[0] + i, 1)
+                    cute.arch.mbarrier_init(mailbox[1] + i, self.cluster_size - 1)
+            cute.arch.mbarrier_init_fence()
         pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
@@ -434,7 +462,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             if warp_idx == WarpRole.TMA:
                 self.producer(
                     tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB,
-                    ab_pipeline, sched_pipeline, sched_slots, ws, scales, smem_scales,
+                    ab_pipeline, sched_pipeline, sched_slots, ws, scales, smem_scales, mailbox,
                 )
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
@@ -469,8 +497,18 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
 
     # Hooks of the scaled kernel (kernels/sm90_fp8.py); BF16 has no scales.
     def gemm_storage(self, storage):
-        """This kernel's fields of the shared storage (the scaled kernel nests them)."""
+        """This kernel's fields of the shared storage (the scaled kernel and clusters nest
+        them)."""
+        if cutlass.const_expr(self.cluster_size > 1):
+            return storage.gemm
         return storage
+
+    def mailbox(self, storage):
+        """Clusters: (full barriers, empty barriers, slots) of the unit mailbox; else None."""
+        if cutlass.const_expr(self.cluster_size == 1):
+            return None
+        full = storage.mbox_mbar.data_ptr()
+        return full, full + MBOX_STAGES, storage.mbox_slots.data_ptr()
 
     def scale_buffers(self, storage):
         """The shared-memory scale buffers in `storage` (None: none)."""
@@ -480,16 +518,17 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     @cute.jit
     def producer(
         self, tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB,
-        ab_pipeline, sched_pipeline, sched_slots, ws, scales, smem_scales,
+        ab_pipeline, sched_pipeline, sched_slots, ws, scales, smem_scales, mailbox=None,
     ):
         cfg = self.cfg
         lane = cute.arch.lane_idx()
         ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
         sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
-        # 1x1: units from the block index, then the atomic counter. A cluster's CTAs must walk
-        # the same units in the same order: a static persistent order (cluster c: units c,
-        # c + clusters, ...), and the shared operand multicast to the pair.
+        # Units: the block's (cluster's) index first, then the atomic counter; a cluster's
+        # CTAs walk the same units, which its leader takes and hands to its peers
+        # (cluster_next_unit). The shared operands are multicast.
         coord, unit, grid = self.cluster_coord()
+        seq = Int32(0)  # clusters: unit ids taken from the mailbox so far
         a_mask, b_mask = None, None
         a_part, b_part = (0, cute.make_layout(1)), (0, cute.make_layout(1))
         if cutlass.const_expr(self.cluster_size > 1):
@@ -510,12 +549,14 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         while unit < cfg.num_units:
             self.publish(sched_pipeline, sched_state, sched_slots, unit, expert, k_tiles, lane)
             sched_state.advance()
-            nxt = unit + grid
+            nxt = Int32(0)
             if cutlass.const_expr(self.cluster_size == 1):
-                nxt = Int32(0)
                 if lane == 0:
                     nxt = cute.arch.atomic_add(ws.counter.iterator, Int32(1)) + grid
-                nxt = cute.arch.shuffle_sync(nxt, 0)
+            else:
+                nxt = self.cluster_next_unit(ws, mailbox, seq, grid, lane)
+                seq += 1
+            nxt = cute.arch.shuffle_sync(nxt, 0)
             n_expert, n_tile_m, n_tile_n, n_begin, n_k_tiles = decode_unit(
                 cfg, cutlass.min(nxt, cfg.num_units - 1), ws
             )
@@ -552,6 +593,44 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         # Tell the consumers there is no more work.
         self.publish(sched_pipeline, sched_state, sched_slots, unit, Int32(-1), Int32(0), lane)
         ab_pipeline.producer_tail(ab_state)
+        if cutlass.const_expr(self.cluster_size > 1):
+            # The leader stays until every peer has taken every unit id it sent (their
+            # arrives land in its shared memory), as producer_tail does for the stages.
+            if self.is_cluster_leader() and lane == 0:
+                for i in cutlass.range_constexpr(MBOX_STAGES):
+                    cute.arch.mbarrier_wait(mailbox[1] + (seq + i) % MBOX_STAGES,
+                                            ((seq + i) // MBOX_STAGES + 1) % 2)
+
+    def is_cluster_leader(self):
+        """Whether this CTA (rank 0 of its cluster) takes the cluster's units."""
+        return cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) == 0
+
+    @cute.jit
+    def cluster_next_unit(self, ws, mailbox, seq, grid, lane):
+        """The cluster's next unit (lane 0; the other lanes get 0), its `seq`-th from the
+        counter. The leader takes it (atomic add, + the clusters that started with their
+        index) and stores it into each peer's mailbox slot with st.async, which completes the
+        peer's full barrier; a peer waits for it and acknowledges on the leader's empty
+        barrier, which the leader waits on before reusing the slot. Every CTA of the
+        cluster therefore walks the same units, taken dynamically like the 1x1 kernel's."""
+        full, empty, slots = mailbox
+        slot = seq % MBOX_STAGES
+        phase = (seq // MBOX_STAGES) % 2
+        nxt = Int32(0)
+        if lane == 0:
+            if self.is_cluster_leader():
+                cute.arch.mbarrier_wait(empty + slot, phase ^ 1)
+                nxt = cute.arch.atomic_add(ws.counter.iterator, Int32(1)) + grid
+                for peer in cutlass.range_constexpr(1, self.cluster_size):
+                    cute.arch.store_async_dsmem(slots + 4 * slot, nxt, full + slot, peer)
+            else:
+                cute.arch.mbarrier_arrive_and_expect_tx(full + slot, 4)
+                cute.arch.mbarrier_wait(full + slot, phase)
+                nxt = (slots + 4 * slot).load()
+                # Cluster scope: the slot's read is ordered before the leader reuses it.
+                cute.arch.mbarrier_arrive(empty + slot, peer_cta_rank_in_cluster=0,
+                                          scope=nvvm.MemScopeKind.CLUSTER)
+        return nxt
 
     @cute.jit
     def operand_tiles(self, tma_atom, mX_coord, sX, rows: cutlass.Constexpr, k0, part):

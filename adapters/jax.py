@@ -206,7 +206,7 @@ def _kernel_call(request, out_dtype, accumulate: bool, out_input: int, tokens_su
     if not cutlass_jax.is_available():
         raise RuntimeError("the CuTe DSL's JAX support (cutlass.jax) is unavailable with this "
                            f"JAX {jax.__version__}; gwgrad's JAX custom call needs it")
-    spec, backend = backends.finalize_spec(request)
+    spec, backend = backends.finalize_spec(request, tokens_sum)
     make_kernel = getattr(backend, "make_kernel", None)
     if make_kernel is None:
         raise RuntimeError(f"the {backend.name} backend has no JAX entry point yet "

@@ -19,7 +19,7 @@ from .errors import ArgumentError
 from .plan import LaunchPlan, cache_info, clear_cache
 from .spec import StaticSpec
 from .tensors import TensorDesc
-from .validation import build_spec, check_output_stack
+from .validation import build_spec, check_output_stack, operand_dims
 
 __all__ = ["TupleDict", "GroupedGemmWgrad", "grouped_gemm_wgrad", "GroupedGemmWgradSm100",
            "grouped_gemm_wgrad_wrapper_sm100", "cache_info", "clear_cache"]
@@ -54,7 +54,8 @@ class GroupedGemmWgrad:
     pass ``sample_wgrad_expert`` (one (hidden, intermediate) output) and/or ``wgrad_dtype``,
     with ``num_experts`` and ``wgrad_shape`` optional cross-checks; ``execute`` then takes
     ``wgrad_ptrs`` (or a stacked ``wgrad_tensor`` to build them from). ``tokens_sum`` and
-    the offsets values may change from call to call. ``scale_recipe``: as for
+    the offsets values may change from call to call (a tiling left to gwgrad is chosen for
+    ``sample_a``'s tokens_sum, and runs any other). ``scale_recipe``: as for
     ``grouped_gemm_wgrad`` (block-scaled inputs; gwgrad/scales.py).
     """
 
@@ -117,6 +118,8 @@ class GroupedGemmWgrad:
             raise exc.renamed(_SAMPLE_NAMES) from None
         self._request = request
         self._device_id = t["a_tensor"].device_id
+        # The default tiling is chosen for the sample's tokens (it runs any tokens_sum).
+        self._sample_tokens = operand_dims(t["a_tensor"], "a_tensor", "a", request.a_major)[1]
         self.validate_offsets = validate_offsets
         self._spec: Optional[StaticSpec] = None
         self._backend = None
@@ -139,7 +142,7 @@ class GroupedGemmWgrad:
             request = self._request
             if not request.arch:
                 request = dataclasses.replace(request, arch=backends.detect_arch(self._device_id))
-            self._spec, self._backend = backends.finalize_spec(request)
+            self._spec, self._backend = backends.finalize_spec(request, self._sample_tokens)
         return True
 
     def compile(self) -> None:

@@ -117,9 +117,11 @@ class CompiledOperator:
         count("compiled")
 
 
-def compile_spec(request: StaticSpec) -> CompiledOperator:
-    """The compiled operator for ``request`` (tiling None: the backend's default), compiled
-    once per final spec and process."""
+def compile_spec(request: StaticSpec, tokens_sum: Optional[int] = None) -> CompiledOperator:
+    """The compiled operator for ``request`` (tiling None: the backend's default, for
+    ``tokens_sum`` tokens when given), compiled once per final spec and process."""
+    if tokens_sum is not None:
+        request = backends.tiling_for_tokens(request, tokens_sum)
     op = _compiled.get(request)
     if op is not None:
         return op
@@ -334,7 +336,8 @@ def plan_for(a: TensorDesc, b: TensorDesc, offsets: TensorDesc, *,
         mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn, sf_vec_size=sf_vec_size,
         accumulate=accumulate_on_output, input_order=input_order, arch=backends.detect_arch,
         scale_recipe=scale_recipe)
-    plan = LaunchPlan(compile_spec(request), a, b, offsets, wgrad, wgrad_ptrs,
+    tokens_sum = operand_dims(a, "a_tensor", "a", request.a_major)[1]
+    plan = LaunchPlan(compile_spec(request, tokens_sum), a, b, offsets, wgrad, wgrad_ptrs,
                       (sfa, sfb, global_scale_a, global_scale_b))
     if key is not None:
         with _lock:

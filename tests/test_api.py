@@ -282,6 +282,47 @@ def test_cuda_path_class_api_and_discrete_pointers(recorder):
                    wgrad_ptrs=ptrs)
 
 
+def test_the_tokens_reach_the_tiling_choice(recorder, monkeypatch):
+    """A tiling left to gwgrad may depend on the call's tokens (Backend.tiling_for_tokens):
+    the functional API asks with each signature's tokens_sum, the class API with its sample's;
+    a tiling the caller chose is never replaced."""
+    asked = []
+
+    def tiling_for_tokens(spec, tokens_sum):
+        asked.append(tokens_sum)
+        return ((128, 256), (1, 1)) if tokens_sum <= 256 else None
+
+    monkeypatch.setattr(recorder, "tiling_for_tokens", tiling_for_tokens, raising=False)
+    h, n, e = 64, 128, 4
+    offsets = cuda_desc((e,), None, DType.INT32, 3 << 32)
+    out = cuda_desc((e, h, n), None, DType.FLOAT32, 4 << 32)
+
+    def call(tokens, **kw):
+        a = cuda_desc((h, tokens), (1, h), DType.BFLOAT16, 1 << 32)
+        b = cuda_desc((tokens, n), (n, 1), DType.BFLOAT16, 2 << 32)
+        gwgrad.grouped_gemm_wgrad(a, b, offsets_tensor=offsets, wgrad_tensor=out,
+                                  current_stream=1, validate_offsets=False, **kw)
+        return recorder.calls[-1][1]
+
+    assert call(256).mma_tiler_mn == (128, 256) and asked[-1] == 256
+    assert call(1024).mma_tiler_mn == (64, 128) and asked[-1] == 1024
+    assert call(256).mma_tiler_mn == (128, 256)  # the cached plan
+    assert len(recorder.compiled) == 2
+    n_asked = len(asked)
+    assert call(256, mma_tiler_mn=(64, 256)).mma_tiler_mn == (64, 256)
+    assert call(256, cluster_shape_mn=(1, 1)).cluster_shape_mn == (1, 1)
+    assert len(asked) == n_asked  # an explicit tiling: not asked
+    a = cuda_desc((h, 128), (1, h), DType.BFLOAT16, 1 << 32)
+    b = cuda_desc((128, n), (n, 1), DType.BFLOAT16, 2 << 32)
+    op = gwgrad.GroupedGemmWgrad(a, b, None, None, offsets, out, validate_offsets=False)
+    op.compile()
+    assert asked[-1] == 128 and op.spec.mma_tiler_mn == (128, 256)
+    a2 = cuda_desc((h, 2048), (1, h), DType.BFLOAT16, 1 << 32)
+    b2 = cuda_desc((2048, n), (n, 1), DType.BFLOAT16, 2 << 32)
+    op.execute(a2, b2, None, None, offsets, out, current_stream=1)  # any tokens_sum runs
+    assert recorder.calls[-1][2].tokens_sum == 2048 and recorder.calls[-1][1] == op.spec
+
+
 def test_default_tiling_base_implementation():
     class Minimal(gwgrad.Backend):
         def check_support(self, spec):

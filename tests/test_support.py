@@ -136,6 +136,45 @@ def test_the_sm90_default_epilogue_buffer_sets_follow_the_output_size(hidden, in
         assert finalize_spec(other)[0].epi_buffer_sets == 1
 
 
+@pytest.mark.parametrize("hidden,intermediate,experts,tokens,out,want", [
+    (1536, 1024, 256, 65536, "bfloat16", ((128, 256), (1, 1))),   # fine-256e: 256 tokens
+    (1536, 1024, 256, 98304, "bfloat16", ((128, 256), (1, 1))),   # 384 tokens per expert
+    (768, 2048, 128, 32768, "bfloat16", ((128, 256), (1, 1))),    # qwen3-30b-fc2, 256 tokens
+    (1536, 1024, 256, 0, "float16", ((128, 256), (1, 1))),        # no tokens yet: short
+    (1536, 1024, 256, 65536, "float32", ((128, 128), (1, 2))),    # FP32: a pair sharing A
+    (1536, 1024, 256, 65536, "accumulate32", ((128, 128), (1, 2))),
+    (1536, 1024, 256, 65536, "accumulate", ((128, 128), (1, 1))),  # into BF16: not measured
+    (1536, 1024, 256, 131072, "bfloat16", ((128, 128), (1, 1))),  # 512 tokens per expert
+    (1536, 1024, 256, 131072, "float32", ((128, 128), (1, 1))),
+    (2048, 2816, 64, 16384, "bfloat16", ((128, 128), (1, 1))),    # 256 tokens, 352 tiles
+    (768, 2048, 128, 131072, "bfloat16", ((128, 128), (1, 1))),   # qwen3-30b-fc2: 1024
+    (1536, 1024, 256, None, "bfloat16", ((128, 128), (1, 1))),    # tokens unknown: static
+])
+def test_the_sm90_tiling_for_short_experts(hidden, intermediate, experts, tokens, out, want):
+    """SM90 BF16: outputs of <= 128 128x128 tiles per expert with <= 384 tokens per expert on
+    average take the cooperative 128x256 tile (16-bit outputs) or a 1x2 cluster (FP32 outputs)
+    (measured: docs/PERF_NOTES.md); a tiling the caller set stays, and the other backends keep
+    their defaults."""
+    pytest.importorskip("cutlass")
+    from gwgrad.backends import finalize_spec
+    from kernel_compile import spec
+
+    acc = out.startswith("accumulate")
+    dtype = {"accumulate": "bfloat16", "accumulate32": "float32"}.get(out, out)
+    request = spec("sm_90a", hidden=hidden, intermediate=intermediate, experts=experts,
+                   out=dtype, acc=acc)
+    final = finalize_spec(request, tokens)[0]
+    assert (final.mma_tiler_mn, final.cluster_shape_mn) == want
+    for tile, cluster in (((128, 128), None), (None, (1, 1)), ((128, 128), (1, 1))):
+        chosen = finalize_spec(spec("sm_90a", hidden=hidden, intermediate=intermediate,
+                                    experts=experts, tile=tile, cluster=cluster), tokens)[0]
+        assert chosen.mma_tiler_mn == (tile or (128, 128)), (tile, cluster)
+        assert chosen.cluster_shape_mn == (cluster or (1, 1)), (tile, cluster)
+    for arch in ("sm_100a", "cpu"):
+        other = spec(arch, hidden=hidden, intermediate=intermediate, experts=experts)
+        assert finalize_spec(other, tokens)[0] == finalize_spec(other)[0]
+
+
 def test_the_grid_is_whole_resident_clusters(monkeypatch):
     """1x1: one CTA per SM (or per unit); clusters: whole clusters, no more than are resident
     at once (persistent, like the 1x1 grid)."""

@@ -12,7 +12,7 @@ import functools
 import importlib
 import os
 import time
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from .. import cuda
 from ..dtypes import DType
@@ -20,7 +20,7 @@ from ..spec import StaticSpec
 from .base import Backend, LaunchArgs
 
 __all__ = ["Backend", "LaunchArgs", "ARCH_BY_CAPABILITY", "detect_arch", "get_backend",
-           "finalize_spec", "compile_check"]
+           "finalize_spec", "tiling_for_tokens", "compile_check"]
 
 ARCH_BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
 KNOWN_ARCHS = tuple(ARCH_BY_CAPABILITY.values())
@@ -88,10 +88,27 @@ def get_backend(spec: StaticSpec) -> Backend:
     return backend
 
 
-def finalize_spec(spec: StaticSpec) -> Tuple[StaticSpec, Backend]:
+def tiling_for_tokens(spec: StaticSpec, tokens_sum: int) -> StaticSpec:
+    """``spec`` with the tiling its backend picks for ``tokens_sum`` tokens
+    (``Backend.tiling_for_tokens``) when the caller left both fields None and the backend has
+    such a choice; otherwise ``spec`` itself (``finalize_spec`` then fills the default)."""
+    if spec.mma_tiler_mn is not None or spec.cluster_shape_mn is not None:
+        return spec
+    choice = get_backend(spec).tiling_for_tokens(spec, tokens_sum)
+    if choice is None:
+        return spec
+    tiler, cluster = choice
+    return dataclasses.replace(spec, mma_tiler_mn=tuple(tiler), cluster_shape_mn=tuple(cluster))
+
+
+def finalize_spec(spec: StaticSpec,
+                  tokens_sum: Optional[int] = None) -> Tuple[StaticSpec, Backend]:
     """Fill the tuning the caller left unset (tiling None, raster group / epilogue width /
-    epilogue buffer sets 0)
-    with the backend's defaults and check support: a spec this returns compiles."""
+    epilogue buffer sets 0) with the backend's defaults and check support: a spec this returns
+    compiles. ``tokens_sum``: the call's tokens when known (the backend may tile short experts
+    differently, ``Backend.tiling_for_tokens``); the result runs any tokens_sum."""
+    if tokens_sum is not None:
+        spec = tiling_for_tokens(spec, tokens_sum)
     backend = get_backend(spec)
     if spec.mma_tiler_mn is None or spec.cluster_shape_mn is None:
         tiler, cluster = backend.default_tiling(spec)

@@ -56,6 +56,14 @@ class Backend(abc.ABC):
         """
         return (128, 256), (1, 1)
 
+    def tiling_for_tokens(self, spec: StaticSpec,
+                          tokens_sum: int) -> Optional[Tuple[Tuple[int, int], Tuple[int, int]]]:
+        """(mma_tiler_mn, cluster_shape_mn) better than ``default_tiling``'s for a call with
+        ``tokens_sum`` tokens, or None. Asked only when the caller left both None and the
+        tokens are known when the plan is built (the functional API and the adapters: the
+        operand's shape; the class API: its sample's). A kernel so tiled runs any tokens_sum."""
+        return None
+
     def default_tuning(self, spec: StaticSpec) -> Tuple[int, int]:
         """(raster_group, epi_tile_n) for a spec whose caller left them 0."""
         return 16, 64

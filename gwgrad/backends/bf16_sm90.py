@@ -11,6 +11,11 @@ WIDE_OUTPUT_TILES = 4096
 #: 128x128 tiles per expert from which pingpong tiles default to a set of epilogue buffers
 #: per consumer group (spec.epi_buffer_sets=2).
 EPI_SPLIT_TILES = 1024
+#: Short experts: at most this many tokens per expert on average, on outputs of at most
+#: SHORT_OUTPUT_TILES 128x128 tiles per expert, take the cooperative 128x256 tile (16-bit
+#: outputs) or 1x2 clusters (FP32 outputs) (Bf16Sm90Backend.tiling_for_tokens).
+SHORT_EXPERT_TOKENS = 384
+SHORT_OUTPUT_TILES = 128
 
 
 def _output_tiles(spec: StaticSpec) -> int:
@@ -30,6 +35,25 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         if _output_tiles(spec) >= WIDE_OUTPUT_TILES:
             return (128, 256), (1, 1)
         return (128, 128), (1, 1)
+
+    def tiling_for_tokens(self, spec: StaticSpec, tokens_sum: int):
+        # Many short experts with small outputs (fine-grained MoE): each 128x128 unit's
+        # mainloop is a few k-blocks, so the per-unit fixed cost (pipeline fill, the epilogue
+        # hand-off, the next unit's wait) and the operand traffic per output byte dominate.
+        # Measured on an H200, gwgrad's variants alone (docs/PERF_NOTES.md, session 7), at
+        # 128-384 tokens per expert on 96 tiles per expert: 16-bit outputs gain +0..+31% with
+        # the cooperative 128x256 tile (half the units; fine-256e +6% / +22%, uniform / zipf),
+        # FP32 outputs +1..+7% with a 1x2 cluster multicasting A (128x256 was -5% uniform
+        # there: its FP32 epilogue is not overlapped). Not taken: 512 tokens per expert
+        # (128x256 -5% / +8%), or 256 tokens on 352 or 1792 tiles per expert (-3..-10%).
+        if (_output_tiles(spec) > SHORT_OUTPUT_TILES
+                or tokens_sum > SHORT_EXPERT_TOKENS * spec.num_experts):
+            return None
+        if spec.wgrad_dtype.itemsize == 2 and not spec.accumulate:
+            return (128, 256), (1, 1)
+        if spec.wgrad_dtype.itemsize == 4:
+            return (128, 128), (1, 2)
+        return None  # accumulating into 16 bits: not measured
 
     def default_tuning(self, spec: StaticSpec):
         # Bands of 16 m-tiles (L2 reuse of the K panels); epilogue sub-tiles of 64 columns for

@@ -76,12 +76,14 @@ GWGRAD_E2M1_FULL=1); ``e2m1x8_bf16x2`` emulated step by step (BF16 rounding of m
 subnormals, the integer and prmt steps) on every non-NaN BF16 pattern in both halves times
 every E8M0 scale (codes 0..254) against ``formats.encode``, and with the 16-bit amax on random
 and special blocks against ``formats.quantize_mx`` (tests/test_e2m1_rounding.py, by default);
-the unsigned / signed amax is exact by the argument at its code. On an H200: the code at commit
-5cf471f (FP4 packing by funnel shifts, masked amax) ran bit-exact against gwgrad.formats
-(tests/test_quantize_gpu.py, 60 GPU tests) and was benchmarked (MXFP4 54-62% of a D2D copy's
-bandwidth); the mad.hi / mad.lo packing, the unsigned / signed amax and MXFP4's packed
-path (branch wip/fp4-quant2) are compile- and emulation-verified only, GPU-pending (tests/test_quantize_gpu.py and
-``python -m gwgrad.bench.quantize --markdown``).
+the unsigned / signed amax is exact by the argument at its code. On an H200 (session 7), this
+code (the mad.hi / mad.lo packing, the unsigned / signed amax and MXFP4's packed BF16x2 path)
+runs bit-exact against gwgrad.formats in every format and recipe, with empty experts, counts
+that are not multiples of 128 and NaN / Inf / denormal inputs (tests/test_quantize_gpu.py and
+tests/test_adapter_jax_quantize_gpu.py, 60 GPU tests), at 65-88% of a device-to-device copy's
+bandwidth on every operand of the public shapes (MXFP4 71-84%, was 54-62% with funnel-shift
+packing; ``python -m gwgrad.bench.quantize --markdown --step``,
+docs/results/h200_bench_quantize.json).
 """
 
 from __future__ import annotations

@@ -58,10 +58,12 @@ docs/results/); the offsets check and the skip on invalid offsets (tests/test_st
 default, graph-captured and validate_offsets=False launches write nothing and raise naming
 offsets_tensor). tests/test_compile_sm90.py also asserts the GPU-scope CAS and system-scope fence in the
 prep kernel and the verdict load and branch at the start of this kernel. epi_buffer_sets=2
-(the default for 16-bit outputs of >= 1024 tiles per expert) and the (1, 2) / (2, 1) pairs
-(opt-in) run on the H200 too: tests/test_sm90_kernel_gpu.py::test_pingpong_epilogue_buffer_set_per_group
-and TestSm90PairSharingA / TestSm90PairSharingB (the whole KernelChecks suite for both pair
-shapes, every mode) pass; their speed is in docs/PERF_NOTES.md (session 6).
+(the default for 16-bit outputs of >= 1024 tiles per expert) and the clusters with the
+leader's unit hand-off ((1, 2): the default for FP32 outputs of short experts; (2, 1), (2, 2):
+opt-in) run on the H200 too: tests/test_sm90_kernel_gpu.py::test_pingpong_epilogue_buffer_set_per_group
+and TestSm90PairSharingA / TestSm90PairSharingB / TestSm90Quad (the whole KernelChecks suite
+for every cluster shape, every mode) pass; their speed is in docs/PERF_NOTES.md (sessions 6
+and 7).
 """
 
 # No `from __future__ import annotations`: the shared-storage struct built in launch() needs

@@ -174,6 +174,34 @@ def test_cuda_lowering_without_a_gpu_holds_the_custom_call(arch):
     assert len(_custom_calls(texts["both"])) == 1 and not _custom_calls(texts["cpu"])
 
 
+def test_the_custom_call_tiles_for_its_static_tokens(monkeypatch):
+    """Under jit the token count is static: the custom call's kernel is finalized with it, so
+    JAX gets the same tokens-aware tiling as the core and the other adapters
+    (Backend.tiling_for_tokens)."""
+    pytest.importorskip("cutlass")
+    import cutlass.jax as cutlass_jax
+
+    if not cutlass_jax.is_available():
+        pytest.skip("the CuTe DSL's JAX support is unavailable with this JAX")
+    from gwgrad import backends
+
+    seen = []
+
+    class Seen(Exception):
+        pass
+
+    def finalize(request, tokens_sum=None):
+        seen.append((request.hidden, tokens_sum))
+        raise Seen
+
+    monkeypatch.setattr(backends, "finalize_spec", finalize)
+    request = gwj._spec((768, 256), jnp.bfloat16, (768, 128), jnp.bfloat16, (3,), jnp.int32,
+                        jnp.bfloat16, False, "sm_90a")
+    with pytest.raises(Seen):
+        gwj._kernel_call(request, jnp.bfloat16, False, 3, 768)
+    assert seen == [(256, 768)]
+
+
 def test_grouped_linear_grad_matches_autodiff(rng):
     x, _, offsets = inputs(rng)
     w = jnp.asarray(rng.standard_normal((4, HIDDEN, INTER)), jnp.bfloat16)

@@ -176,6 +176,8 @@ for s in $steps; do
       # scripts/profile_gemm.py under Nsight Compute: per row gwgrad's kernels and the dense
       # cuBLAS GEMM of equal FLOPs (SpeedOfLight, + the tensor pipe's active share: on the
       # H200's ncu, sm__pipe_tensor_cycles_active counts HGMMA; added where ncu lists it).
+      # GWGRAD_NCU_ROWS, GWGRAD_NCU_DISTS (default uniform; e.g. uniform,zipf),
+      # GWGRAD_NCU_ACCUMULATE=1: which calls are profiled.
       step ncu 240 || continue
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
       TENSOR=sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active
@@ -184,7 +186,7 @@ for s in $steps; do
       capture "$NCU" --clock-control none --nvtx --nvtx-include "prof/" --section SpeedOfLight \
         $METRICS --csv --page details --log-file "$OUT/ncu.csv" "$PY" scripts/profile_gemm.py \
         --rows "${GWGRAD_NCU_ROWS:-dsv3-fc1,qwen3-30b-fc1,qwen3-30b-fc2,gptoss-fc1,dsv2lite-fc1,fine-256e}" \
-        ${GWGRAD_NCU_ACCUMULATE:+--accumulate}
+        --dists "${GWGRAD_NCU_DISTS:-uniform}" ${GWGRAD_NCU_ACCUMULATE:+--accumulate}
       cat "$OUT/step.txt"
       "$PY" scripts/profile_gemm.py --summarize "$OUT/ncu.csv" | tee "$OUT/ncu_summary.txt"
       done_step ncu $rc ;;

@@ -9,7 +9,7 @@ heuristics) runs outside every range, so ncu sees exactly one call of each metho
     python scripts/profile_gemm.py --summarize ncu.csv
 
 ``bash scripts/gpu_run.sh ncu`` runs it on the rows below the dense ceiling and the two
-small-expert rows (GWGRAD_NCU_ROWS / GWGRAD_NCU_ACCUMULATE change that) and keeps the CSV
+small-expert rows (GWGRAD_NCU_ROWS / GWGRAD_NCU_DISTS / GWGRAD_NCU_ACCUMULATE change that) and keeps the CSV
 and a per-kernel summary (duration, SM / DRAM throughput, tensor-pipe share) under $OUT.
 Without ncu it prints each method's time from CUDA events (a check that the target runs).
 """

@@ -226,8 +226,8 @@ def wgrad(x: Any, dy: Any, offsets: Any, *, out: Union[Any, Sequence[Any], None]
     workspace, keep = 0, None
     cupy_interop = _interop()
     if plan.workspace_bytes and stream is None and cupy_interop is not None:
-        # From the pool, on the current (= launch) stream, freed in stream order.
-        keep = cupy_interop.workspace(plan.workspace_bytes, device[1])
+        # From the pool: the launch stream's own (zero-filled once), or fresh while capturing.
+        keep = cupy_interop.workspace(plan.workspace_bytes, device[1], launch_stream)
         workspace = keep.data.ptr
     # else: gwgrad's per-stream workspace (a given stream need not be CuPy's current one)
     try:

@@ -48,6 +48,7 @@ weight gradient is gwgrad's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
@@ -206,7 +207,9 @@ def _kernel_call(request, out_dtype, accumulate: bool, out_input: int, tokens_su
     if not cutlass_jax.is_available():
         raise RuntimeError("the CuTe DSL's JAX support (cutlass.jax) is unavailable with this "
                            f"JAX {jax.__version__}; gwgrad's JAX custom call needs it")
-    spec, backend = backends.finalize_spec(request, tokens_sum)
+    # Two launches (prep kernel, GEMM): a single launch's grid barrier needs a workspace that
+    # starts zeroed, and XLA's is not.
+    spec, backend = backends.finalize_spec(dataclasses.replace(request, launches=2), tokens_sum)
     make_kernel = getattr(backend, "make_kernel", None)
     if make_kernel is None:
         raise RuntimeError(f"the {backend.name} backend has no JAX entry point yet "

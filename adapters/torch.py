@@ -89,6 +89,12 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _plan(x, dy, offsets, out, outs, target, accumulate)
+    _run(plan, x, dy, offsets, target, validate_offsets)
+
+
+def _run(plan: LaunchPlan, x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
+         target: torch.Tensor, validate_offsets: bool = False) -> None:
+    """Launch ``plan`` on torch's current stream with its per-stream workspace."""
     stream = workspace = 0
     if plan.is_cuda:
         stream = tinterop.current_stream(x.device.index)
@@ -99,6 +105,32 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
                     stream=stream, workspace=workspace, validate_offsets=validate_offsets)
     except ArgumentError as exc:  # misaligned storage, or offsets rejected by a check
         raise exc.renamed(NAMES) from None
+
+
+# (x, dy, offsets signature, out dtype) -> (plan, output shape) of the allocating call, so that
+# a repeated call skips the shape checks and the new output's part of the plan key.
+_allocating = PlanCache()
+
+
+def _allocate_and_launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """``wgrad(x, dy, offsets)`` in eager mode: a new output, computed."""
+    key = (x.shape, x.stride(), x.dtype, x.device, dy.shape, dy.stride(), dy.dtype, dy.device,
+           offsets.shape, offsets.stride(), offsets.dtype, offsets.device, dtype)
+    hit = _allocating.get(key)
+    if hit is None:
+        result = _empty_output(x, dy, offsets, dtype)
+        _launch(x, dy, offsets, result, None, False)
+        # The plan that call found (its output is always a new contiguous tensor).
+        out_key = (result.shape, result.stride(), result.dtype, result.device, False)
+        plan = _plans.get(key[:12] + out_key)
+        if plan is not None:  # (None only if already evicted by other signatures)
+            _allocating[key] = (plan, result.shape)
+        return result
+    plan, shape = hit
+    result = torch.empty(shape, dtype=dtype, device=x.device)
+    _run(plan, x, dy, offsets, result)
+    return result
 
 
 def _pointer_array(outs: Sequence[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -259,6 +291,8 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, *,
     if out is None:
         dtype = torch.bfloat16 if out_dtype is None else out_dtype
         eager = _eager(x, dy, offsets)
+        if eager and not validate_offsets:
+            return _allocate_and_launch(x, dy, offsets, dtype)
         if not eager:
             _check_arguments(x, dy, offsets, None)
         if eager or validate_offsets:

@@ -150,6 +150,19 @@ def free_async(ptr: int, stream: int) -> None:
     _call(f"cudaFreeAsync({ptr:#x})", rt.cudaFreeAsync, ptr, stream)
 
 
+def memset(ptr: int, nbytes: int, device_id: int = 0) -> None:
+    """Zero ``nbytes`` at ``ptr`` (synchronous: for memory not yet used by any stream)."""
+    rt = _runtime()
+    with on_device(device_id):
+        _call(f"cudaMemset({ptr:#x}, 0, {nbytes})", rt.cudaMemset, ptr, 0, nbytes)
+
+
+def memset_async(ptr: int, nbytes: int, stream: int) -> None:
+    """Enqueue zeroing ``nbytes`` at ``ptr`` on ``stream`` (a memset node under capture)."""
+    rt = _runtime()
+    _call(f"cudaMemsetAsync({ptr:#x}, 0, {nbytes})", rt.cudaMemsetAsync, ptr, 0, nbytes, stream)
+
+
 def memcpy_d2h(dst_host: int, src_device: int, nbytes: int, stream: int) -> None:
     """Enqueue a device-to-host copy on ``stream`` (call ``synchronize`` before reading)."""
     rt = _runtime()

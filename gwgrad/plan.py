@@ -137,6 +137,10 @@ def compile_spec(request: StaticSpec, tokens_sum: Optional[int] = None) -> Compi
     return op
 
 
+#: Leading workspace bytes that must be zero before a launch on a fresh workspace: the grid
+#: barrier of single-launch kernels (kernels/common.py); every launch leaves them zero.
+WORKSPACE_ZEROED_BYTES = 16
+
 #: Base-address alignment each operand needs (bytes); checked per launch with bit operations.
 _ALIGN = {"a_tensor": 16, "b_tensor": 16, "offsets_tensor": 4, "wgrad_tensor": 16,
           "wgrad_ptrs": 16}
@@ -202,8 +206,11 @@ class LaunchPlan:
                workspace: int = 0, validate_offsets: bool = False,
                scales: Tuple[int, ...] = ()) -> None:
         """Enqueue one call on ``stream``. ``workspace``: ``workspace_bytes`` of device memory
-        untouched by other work until the launch completes on ``stream`` (0: gwgrad's
-        per-stream workspace, which CUDA-graph capture cannot allocate). ``scales``:
+        untouched by other work until the launch completes on ``stream``, whose first
+        ``WORKSPACE_ZEROED_BYTES`` were zero before its first gwgrad launch (a single-launch
+        kernel's grid barrier; each launch leaves them zero, so a workspace is zero-filled
+        once, then reused by later launches on the same stream). 0: gwgrad's own per-stream
+        workspace (or, while ``stream`` is captured, a zeroed stream-ordered one). ``scales``:
         block-scaled inputs' addresses of ``(sfa, sfb, global_scale_a, global_scale_b)`` (0
         for an absent global scale; empty for BF16). The offsets are
         always checked on the device (a failed check writes nothing and is raised later: see
@@ -252,7 +259,9 @@ class LaunchPlan:
         share it with other work."""
         with cuda.on_device(self.device_id):
             if cuda.stream_is_capturing(stream):
-                return cuda.malloc_async(self.workspace_bytes, stream), True
+                address = cuda.malloc_async(self.workspace_bytes, stream)
+                cuda.memset_async(address, WORKSPACE_ZEROED_BYTES, stream)
+                return address, True
         return interop.workspace(self.device_id, stream, self.workspace_bytes), False
 
     def layout(self, operand: str) -> TensorDesc:

@@ -380,7 +380,7 @@ def quantize(x: Any, offsets: Any, fmt: str, *, elem: Optional[str] = None, data
         nbytes = cfg.workspace_bytes(tokens)
         torch_ = interop.framework("torch") if xd.framework == "torch" else None
         if torch_ is not None:
-            ws = torch_.workspace(xd.device_id, stream_h, nbytes)
+            ws = torch_.workspace(xd.device_id, stream_h, nbytes, "quantize")
         else:
             ws = interop.workspace(xd.device_id, stream_h, nbytes, "quantize")
         # Tile rows (>= 1: with no tokens, row 0 still writes the empty experts' scales).

@@ -26,7 +26,7 @@ def main(calls: int = 3000) -> None:
     plan = gwgrad.plan_for(*(gwgrad.as_tensor_desc(v, k) for v, k in
                              ((x.T, "a"), (dy, "b"), (pool[0], "o"))),
                            wgrad=gwgrad.as_tensor_desc(out, "w"))
-    ws = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device="cuda")
+    ws = torch.zeros(plan.workspace_bytes, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.current_stream().cuda_stream
     entries = {
         "wrapper": lambda: gwgrad.grouped_gemm_wgrad_wrapper_sm100(

@@ -41,13 +41,14 @@ def desc(t: "torch.Tensor") -> TensorDesc:
 
 def make_spec(arch, hidden, intermediate, experts, a_major="m", b_major="n", order="tensor2d",
               mode="dense", out=torch.bfloat16, acc=False, tiling=None):
-    tile, cluster = tiling if tiling is not None else (None, None)
+    # tiling: (tile, cluster) or (tile, cluster, launches per call); None: the defaults.
+    tile, cluster, *launches = tiling if tiling is not None else (None, None)
     return StaticSpec(
         hidden=hidden, intermediate=intermediate, num_experts=experts,
         a_dtype=DType.BFLOAT16, b_dtype=DType.BFLOAT16, wgrad_dtype=TORCH_TO_DTYPE[out],
         acc_dtype=DType.FLOAT32, a_major=a_major, b_major=b_major, input_order=order,
         output_mode=mode, accumulate=acc, mma_tiler_mn=tile, cluster_shape_mn=cluster,
-        sf_vec_size=16, arch=arch,
+        sf_vec_size=16, arch=arch, launches=launches[0] if launches else 0,
     )
 
 
@@ -111,7 +112,7 @@ def run_and_check(spec, counts, out_dtype, tol=1e-2, offsets_override=None):
         outs = [x.clone() for x in init]
         ptrs = torch.tensor([x.data_ptr() for x in outs], dtype=torch.int64, device="cuda")
         args_out = dict(wgrad_ptrs=desc(ptrs))
-    ws = torch.empty(max(backend.workspace_bytes(spec), 1), dtype=torch.uint8, device="cuda")
+    ws = torch.zeros(max(backend.workspace_bytes(spec), 1), dtype=torch.uint8, device="cuda")
     args = LaunchArgs(
         a=desc(a), b=desc(b), offsets=desc(offs), tokens_sum=t,
         stream=torch.cuda.current_stream().cuda_stream, workspace=ws.data_ptr(), **args_out,
@@ -218,7 +219,7 @@ class KernelChecks:
         spec, backend, compiled = compiled_for(spec)
         a, b, offs, t, _, _ = make_operands(spec, counts)
         out = torch.full((4, 256, 256), float("nan"), device="cuda", dtype=torch.bfloat16)
-        ws = torch.empty(backend.workspace_bytes(spec), dtype=torch.uint8, device="cuda")
+        ws = torch.zeros(backend.workspace_bytes(spec), dtype=torch.uint8, device="cuda")
         args = LaunchArgs(a=desc(a), b=desc(b), offsets=desc(bad), tokens_sum=t, wgrad=desc(out),
                           stream=torch.cuda.current_stream().cuda_stream, workspace=ws.data_ptr())
         backend.launch(compiled, spec, args)
@@ -240,7 +241,7 @@ class KernelChecks:
         a, b, offs, t, a_parts, b_parts = make_operands(spec, [64, 64])
         keep = torch.full((128, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
         ptrs = torch.tensor([0, keep.data_ptr()], dtype=torch.int64, device="cuda")
-        ws = torch.empty(backend.workspace_bytes(spec), dtype=torch.uint8, device="cuda")
+        ws = torch.zeros(backend.workspace_bytes(spec), dtype=torch.uint8, device="cuda")
         args = LaunchArgs(a=desc(a), b=desc(b), offsets=desc(offs), tokens_sum=t,
                           wgrad_ptrs=desc(ptrs), stream=torch.cuda.current_stream().cuda_stream,
                           workspace=ws.data_ptr())

@@ -68,13 +68,46 @@ def replace(s, **kw):
 
 
 def kernel_bodies(ptx: str):
-    """(prep kernel body, GEMM kernel body) of a compiled launch."""
+    """(prep work, GEMM work) of a compiled launch: the prep kernel's and the GEMM kernel's
+    bodies, or for a single-launch kernel (one entry) its code before and after the grid
+    barrier (check_grid_barrier_ptx)."""
+    if ptx.count(".entry ") == 1:
+        return split_at_grid_barrier(ptx.split(".entry ", 1)[1])
     bodies = {}
     for chunk in ptx.split(".entry ")[1:]:
         name = chunk.split("(", 1)[0]
         bodies["prep" if "prep_kernel" in name else "gemm"] = chunk
     assert set(bodies) == {"prep", "gemm"}, sorted(bodies)
     return bodies["prep"], bodies["gemm"]
+
+
+def split_at_grid_barrier(body: str):
+    """(before, after) the grid barrier of a single-launch kernel's body."""
+    import re
+
+    check_grid_barrier_ptx(body)
+    fence = body.index("fence.acq_rel.gpu;")
+    end = re.compile(r"bar\.sync\s+0;").search(body, fence)
+    assert end, "no CTA barrier after the grid barrier"
+    return body[:fence], body[end.end():]
+
+
+def check_grid_barrier_ptx(body: str) -> None:
+    """A single-launch kernel's grid barrier (kernels/common.grid_barrier): descriptor writes
+    released to the tensormap proxy, a CTA barrier, thread 0's acquire load of the generation
+    (workspace byte 12), its acq_rel arrival (GPU scope), the last CTA's reset and release
+    increment, a GPU-scope fence and another CTA barrier."""
+    import re
+
+    assert body.count(".entry ") == 0
+    release = body.index("fence.proxy.tensormap::generic.release.gpu;")
+    arrive = re.search(r"atom\.global\.acq_rel(\.gpu)?\.add\.u32\s+%r\d+, \[%rd\d+\], 1;", body)
+    assert arrive and arrive.start() > release
+    assert re.search(r"ld\.acquire\.gpu\.global\.b32\s+%r\d+, \[%rd\d+\+12\];", body[:arrive.start()])
+    assert re.search(r"atom\.global\.exch\.b32\s+%r\d+, \[%rd\d+\], 0;", body)
+    assert re.search(r"atom\.global\.release(\.gpu)?\.add\.u32", body)
+    assert "atom.global.sys" not in body and "atom.global.acq_rel.sys" not in body
+    assert "fence.acq_rel.gpu;" in body[arrive.end():]
 
 
 def check_offsets_check_ptx(ptx: str, before_verdict=()) -> None:

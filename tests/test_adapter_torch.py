@@ -72,6 +72,25 @@ def test_dense_against_reference(out_dtype):
     assert torch.equal(w_op, w)
 
 
+def test_allocating_calls_reuse_their_plan():
+    """A repeated allocating call takes its (plan, shape) from a cache keyed by the inputs'
+    signature and the dtype: a new output each time, the numbers of the full path, other
+    offsets with the same shape included; another dtype is another entry."""
+    gwt._allocating.clear()
+    x, dy, offsets = inputs()
+    first = gwt.wgrad(x, dy, offsets)
+    assert len(gwt._allocating) == 1
+    other = torch.tensor([0, 120, 150, 200], dtype=torch.int32)  # same tokens, other counts
+    second = gwt.wgrad(x, dy, other)
+    assert len(gwt._allocating) == 1 and second is not first
+    assert second.shape == first.shape and second.dtype == torch.bfloat16
+    assert rel_err(first, reference(x, dy, offsets)) < 1e-2
+    assert rel_err(second, reference(x, dy, other)) < 1e-2
+    assert (second[0] == 0).all()
+    assert gwt.wgrad(x, dy, other, out_dtype=torch.float32).dtype == torch.float32
+    assert len(gwt._allocating) == 2
+
+
 def test_into_and_accumulate():
     x, dy, offsets = inputs()
     want = reference(x, dy, offsets)

@@ -63,8 +63,8 @@ def test_host_overhead_wiring_on_the_cpu():
                                             "num_experts": 4, "tokens_sum": 64})
     assert results["errors"] == []
     assert set(results["overhead_us"]) == {
-        "wrapper", "wrapper_same_offsets", "class_execute", "plan_launch", "torch_wgrad_out",
-        "torch_wgrad_alloc", "torch_op_into"}
+        "wrapper", "wrapper_same_offsets", "class_execute", "plan_launch",
+        "plan_launch_two_launches", "torch_wgrad_out", "torch_wgrad_alloc", "torch_op_into"}
     entry = results["overhead"]["wrapper"]
     assert entry["target_us"] == 20.0 and len(entry["samples_us"]) == 2
     assert results["overhead"]["torch_wgrad_out"]["target_us"] == 15.0

@@ -138,3 +138,18 @@ def test_cluster_pairs_compile(tile, cluster, kw):
     assert (cfg.tile_m, cfg.tile_n) == (tile[0] * cluster[0], tile[1] * cluster[1])
     ptx = compile_ptx(s)
     check_hopper_ptx(ptx, final.accumulate, cluster=True)
+
+
+@pytest.mark.parametrize("launches", [1, 2])
+@pytest.mark.parametrize("mode,cluster", [("dense", (1, 1)), ("discrete", (1, 2))])
+def test_launches_per_call_compile(launches, mode, cluster):
+    """One launch: a single entry whose CTAs do the prep work, meet at the grid barrier, then
+    read the verdict (kernel_compile.check_grid_barrier_ptx); two: the prep kernel and the
+    GEMM. The offsets check is the same code in both."""
+    from kernel_compile import replace
+
+    ptx = compile_ptx(replace(spec("sm_90a", mode=mode, cluster=cluster), launches=launches))
+    assert ptx.count(".entry ") == launches
+    check_hopper_ptx(ptx, False, cluster=cluster != (1, 1))
+    if launches == 2:
+        assert "ld.acquire.gpu" not in ptx and "fence.proxy.tensormap::generic.release" in ptx

@@ -27,10 +27,13 @@ class FakeRuntime:
         self.capturing = False
 
     def malloc(self, nbytes, device_id=0):
-        block = ctypes.create_string_buffer(nbytes + 256)
+        block = ctypes.create_string_buffer(b"\xa5" * (nbytes + 256))  # not zeroed, as cudaMalloc
         ptr = (ctypes.addressof(block) + 255) // 256 * 256  # cudaMalloc's alignment
         self.blocks[ptr] = block
         return ptr
+
+    def memset(self, ptr, nbytes, device_id=0):
+        ctypes.memset(ptr, 0, nbytes)
 
     def free(self, ptr, device_id=0):
         self.freed.append(ptr)
@@ -54,7 +57,8 @@ class FakeRuntime:
 @pytest.fixture
 def fake_cuda(monkeypatch):
     rt = FakeRuntime()
-    for name in ("malloc", "free", "memcpy_d2h", "memcpy_h2d", "synchronize", "stream_is_capturing"):
+    for name in ("malloc", "free", "memset", "memcpy_d2h", "memcpy_h2d", "synchronize",
+                 "stream_is_capturing"):
         monkeypatch.setattr(gwgrad.cuda, name, getattr(rt, name))
     monkeypatch.setattr(gwgrad.cuda, "on_device", lambda device_id: contextlib.nullcontext())
     monkeypatch.setattr(memory, "_workspaces", {})
@@ -82,10 +86,13 @@ def test_device_buffer_exports_and_frees_itself(fake_cuda):
 def test_workspace_is_cached_per_stream_and_grows(fake_cuda):
     assert memory.workspace(0, 7, 0) == 0
     first = memory.workspace(0, 7, 1000)
+    # Zero-filled when allocated: single-launch kernels need their grid-barrier words zero.
+    assert ctypes.string_at(first, 1000) == bytes(1000)
     assert memory.workspace(0, 7, 500) == first  # reused
     other = memory.workspace(0, 8, 1000)
     assert other != first  # another stream, another buffer
     grown = memory.workspace(0, 7, 5 << 20)
+    assert ctypes.string_at(grown, 5 << 20) == bytes(5 << 20)
     gc.collect()
     assert grown != first and first in fake_cuda.freed
     memory.release_workspaces()

@@ -61,6 +61,10 @@ def backend(request, monkeypatch):
     monkeypatch.setattr(gwgrad.cuda, "stream_is_capturing", lambda stream: stream == 0xCA9)
     monkeypatch.setattr(gwgrad.cuda, "on_device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(gwgrad.cuda, "malloc_async", lambda nbytes, stream: 0xDEF000)
+    zeroed = []
+    monkeypatch.setattr(gwgrad.cuda, "memset_async",
+                        lambda ptr, nbytes, stream: zeroed.append((ptr, nbytes, stream)))
+    rec.zeroed = zeroed
     freed = []
     monkeypatch.setattr(gwgrad.cuda, "free_async", lambda ptr, stream: freed.append((ptr, stream)))
     rec.freed = freed
@@ -105,9 +109,11 @@ def test_launch_passes_addresses_stream_workspace_and_status(backend):
         assert values == [0x77, 16 << 32, 17 << 32, 18 << 32 | 4, 19 << 32, 0x1000,
                           ctypes.addressof(_record), T]
         assert values2[5] == 0xABC000
-        # While the stream is captured: a stream-ordered workspace, freed after the launch.
+        # While the stream is captured: a stream-ordered workspace, its grid-barrier words
+        # zeroed on the stream, freed after the launch.
         plan.launch(16 << 32, 17 << 32, 18 << 32, 19 << 32, stream=0xCA9)
         assert backend.pointer_calls[-1][7] == 0xDEF000 and backend.freed == [(0xDEF000, 0xCA9)]
+        assert backend.zeroed == [(0xDEF000, 16, 0xCA9)]
     else:
         args, args2 = backend.calls
         assert isinstance(args, LaunchArgs) and args.a.ptr == 16 << 32

@@ -22,6 +22,13 @@ class TestSm90(KernelChecks):
     TILINGS = [((128, 256), (1, 1)), ((128, 128), (1, 1))]
 
 
+class TestSm90TwoLaunches(KernelChecks):
+    """The prep kernel, then the GEMM (spec.launches=2: what JAX's custom call compiles); the
+    default above is one launch, the GEMM's CTAs doing the prep work behind a grid barrier."""
+    ARCH = "sm_90a"
+    TILINGS = [((128, 256), (1, 1), 2), ((128, 128), (1, 1), 2)]
+
+
 class TestSm90PairSharingA(KernelChecks):
     """1x2 clusters: the CTA pair multicasts A (unit tile 128 x 2n; with an odd number of
     n-tiles the second CTA's half lies past the output: loaded as zeros, stored nowhere)."""
@@ -68,3 +75,44 @@ def test_pingpong_epilogue_buffer_set_per_group(seed, tile, case):
     counts = (torch.randint(0, 40, (40,), generator=gen) * 8).tolist()  # K-major: % 8
     counts[3] = 0
     run_and_check(spec, counts, out_dtype)
+
+
+def test_single_launch_leaves_its_workspace_ready_for_any_grid():
+    """One launch per call: the grid barrier's count (workspace byte 8) is 0 again after
+    every launch and its generation (byte 12) advances by one, so one workspace serves
+    launches of different grid sizes in any order (here 132-CTA and 1-CTA grids, alternating),
+    each correct against FP64; a two-launch kernel on the same workspace leaves both alone."""
+    import dataclasses
+
+    from gpu_kernel_checks import compiled_for, desc, make_operands, make_spec
+    from gwgrad.backends import _cutedsl
+    from gwgrad.backends.base import LaunchArgs
+
+    cases = []
+    for hidden, inter, counts, launches in ((1024, 1536, [512, 0, 256, 1024], 1),
+                                            (128, 128, [64], 1), (256, 256, [128, 64], 2)):
+        spec = make_spec("sm_90a", hidden, inter, len(counts), tiling=(None, None, launches))
+        final, backend, compiled = compiled_for(spec)
+        assert final.launches == launches
+        cases.append((final, backend, compiled, counts))
+    grids = {_cutedsl.grid_size(c[2], 0) for c in cases[:2]}
+    assert 1 in grids and max(grids) > 100, grids
+    nbytes = max(c[1].workspace_bytes(c[0]) for c in cases)
+    ws = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    words = ws[:16].view(torch.int32)
+    generation = 0
+    for step in range(7):
+        spec, backend, compiled, counts = cases[(0, 1, 0, 2, 1, 1, 0)[step]]
+        a, b, offs, t, a_parts, b_parts = make_operands(spec, counts)
+        out = torch.full((len(counts), spec.hidden, spec.intermediate), float("nan"),
+                         device="cuda", dtype=torch.bfloat16)
+        backend.launch(compiled, spec, LaunchArgs(
+            a=desc(a), b=desc(b), offsets=desc(offs), tokens_sum=t, wgrad=desc(out),
+            stream=torch.cuda.current_stream().cuda_stream, workspace=ws.data_ptr()))
+        torch.cuda.synchronize()
+        generation += spec.launches == 1
+        assert words[2].item() == 0 and words[3].item() == generation, (step, words.tolist())
+        for e in range(len(counts)):
+            ref = a_parts[e].double() @ b_parts[e].double()
+            err = (out[e].double() - ref).norm() / max(ref.norm(), 1e-30)
+            assert err < 1e-2 if counts[e] else out[e].eq(0).all(), (step, e, float(err))

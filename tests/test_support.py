@@ -190,3 +190,26 @@ def test_the_grid_is_whole_resident_clusters(monkeypatch):
     assert _cutedsl.grid_size(cfg(1000, 1, 2), 0) == 120
     assert _cutedsl.grid_size(cfg(7, 2, 1), 0) == 14  # a unit is a cluster's tile
     assert _cutedsl.grid_size(cfg(1000, 2, 2), 0) == 240
+
+
+def test_launches_per_call():
+    """SM90 BF16 runs in one launch by default (the prep work inside the GEMM); the other
+    kernels keep the prep kernel (2); JAX's custom call asks for 2 (XLA's workspace is not
+    zeroed); anything else is a ValueError naming ``launches``."""
+    pytest.importorskip("cutlass")
+    import dataclasses
+
+    from gwgrad.backends import finalize_spec
+    from kernel_compile import fp8_spec, spec
+
+    assert finalize_spec(spec("sm_90a"))[0].launches == 1
+    assert finalize_spec(spec("sm_90a", out="float32", acc=True, cluster=(1, 2)))[0].launches == 1
+    assert finalize_spec(dataclasses.replace(spec("sm_90a"), launches=2))[0].launches == 2
+    assert finalize_spec(fp8_spec("sm_90a", "per_expert_channel"))[0].launches == 2
+    assert finalize_spec(spec("sm_100a"))[0].launches == 2
+    for request, launches, match in (
+            (fp8_spec("sm_90a", "block_1x128"), 1, r"^launches: expected 2 here \(the fp8_sm90"),
+            (spec("sm_100a"), 1, r"^launches: expected 2 here \(the bf16_sm100"),
+            (spec("sm_90a"), 3, r"^launches: expected 1 or 2 kernel launches per call, got 3")):
+        with pytest.raises(ValueError, match=match):
+            finalize_spec(dataclasses.replace(request, launches=launches))

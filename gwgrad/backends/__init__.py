@@ -123,6 +123,8 @@ def finalize_spec(spec: StaticSpec,
                                    epi_tile_n=spec.epi_tile_n or epi_tile_n)
     if not spec.epi_buffer_sets:
         spec = dataclasses.replace(spec, epi_buffer_sets=backend.default_epi_buffer_sets(spec))
+    if not spec.launches:
+        spec = dataclasses.replace(spec, launches=backend.default_launches(spec))
     backend.check_support(spec)
     return spec, backend
 

@@ -93,7 +93,19 @@ def problem_config(spec: StaticSpec, schedule: str, unit_tile_m: int = 0, unit_t
         scale_recipe=spec.scale_recipe or "",
         sf_vec=spec.sf_vec_size if spec.is_block_scaled else 0,
         has_global_scale=spec.has_global_scale,
+        launches=spec.launches or 2,  # 0: a spec that skipped finalize_spec
     )
+
+
+def launches_problem(backend: Backend, spec: StaticSpec) -> Optional[Tuple[str, str]]:
+    """("launches", detail) when ``spec.launches`` is neither 2 nor a single launch the
+    backend can run (0: a spec that skipped finalize_spec, which compiles as 2)."""
+    if spec.launches in (0, 2):
+        return None
+    if spec.launches != 1:
+        return "launches", f"expected 1 or 2 kernel launches per call, got {spec.launches!r}"
+    why = backend.single_launch_problem(spec)
+    return None if why is None else ("launches", f"expected 2 here ({why}), got 1")
 
 
 def check_bf16_spec(spec: StaticSpec) -> None:
@@ -300,7 +312,7 @@ class CuteDslBackend(Backend):
         """What every CuTe DSL kernel needs, its tiling rules, then its own predicate, which
         a kernel found in gwgrad.kernel_cache has passed already (no DSL import then)."""
         self.check_spec(spec)
-        problem = self.tiling_problem(spec)
+        problem = launches_problem(self, spec) or self.tiling_problem(spec)
         if problem is None and not self.compiled_before(spec):
             problem = self.kernel_problem(spec)
         if problem is not None:

@@ -73,6 +73,15 @@ class Backend(abc.ABC):
         the consumer groups take it in turn (kernels without consumer groups have one)."""
         return 1
 
+    def default_launches(self, spec: StaticSpec) -> int:
+        """Kernel launches per call for a spec whose caller left ``launches`` 0: 2 (a prep
+        kernel, then the GEMM) unless the backend's GEMM can do the prep work itself."""
+        return 2
+
+    def single_launch_problem(self, spec: StaticSpec) -> Optional[str]:
+        """Why this backend cannot run ``spec`` in one launch (``launches=1``), or None."""
+        return f"the {self.name} backend's kernels run as a prep kernel and a GEMM"
+
     def workspace_bytes(self, spec: StaticSpec) -> int:
         return 0
 

@@ -75,6 +75,14 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
             return 1
         return 2 if _output_tiles(spec) >= EPI_SPLIT_TILES else 1
 
+    def default_launches(self, spec: StaticSpec):
+        # One launch (the prep work inside the GEMM, behind a grid barrier): the host pays one
+        # cudaLaunchKernelEx per call instead of two (docs/PERF_NOTES.md, the host path).
+        return 1
+
+    def single_launch_problem(self, spec: StaticSpec):
+        return None
+
     def tiling_problem(self, spec: StaticSpec):
         return sm90_problem(spec.mma_tiler_mn, spec.cluster_shape_mn)
 

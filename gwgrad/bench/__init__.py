@@ -240,7 +240,7 @@ class KernelRunner:
         if a.is_cuda:
             self.stream = torch.cuda.current_stream(a.device).cuda_stream
             if self.plan.workspace_bytes:
-                self.workspace = torch.empty(self.plan.workspace_bytes, dtype=torch.uint8,
+                self.workspace = torch.zeros(self.plan.workspace_bytes, dtype=torch.uint8,
                                              device=a.device)
                 workspace = self.workspace.data_ptr()
         self._addresses = (a.data_ptr(), b.data_ptr(), offsets.data_ptr(), out.data_ptr())
@@ -401,7 +401,8 @@ def build_methods(inp: RowInputs, configs: List, row: Dict,
         spec = default.spec
         row["gwgrad_tuning"] = {"cluster_shape_mn": list(spec.cluster_shape_mn),
                                 "raster_group": spec.raster_group, "epi_tile_n": spec.epi_tile_n,
-                                "epi_buffer_sets": spec.epi_buffer_sets}
+                                "epi_buffer_sets": spec.epi_buffer_sets,
+                                "launches": spec.launches}
         fns["gwgrad_{}x{}".format(*default.tile)] = default
     except Exception as exc:  # noqa: BLE001
         meth["gwgrad"] = {"error": _error(exc)}
@@ -749,9 +750,10 @@ def plot(rows: List[Dict], path: str) -> Optional[str]:
 # ----------------------------------------------------------------------------------------
 
 
-#: StaticSpec tuning fields a --tiles entry may set (``MxN:field=value``; ``cluster=MxN``
-#: sets cluster_shape_mn).
-TUNING_FIELDS = ("raster_group", "epi_tile_n", "epi_buffer_sets", "cluster")
+#: StaticSpec fields a --tiles entry may set (``MxN:field=value``; ``cluster=MxN`` sets
+#: cluster_shape_mn; ``launches=2``: the prep kernel then the GEMM, against the default single
+#: launch).
+TUNING_FIELDS = ("raster_group", "epi_tile_n", "epi_buffer_sets", "cluster", "launches")
 
 
 def parse_tile(s: str) -> Tuple:

@@ -362,7 +362,7 @@ class BlockScaledRow:
         on_gpu = self.device.type == "cuda"
         ws = None
         if on_gpu and plan.workspace_bytes:
-            ws = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=self.device)
+            ws = torch.zeros(plan.workspace_bytes, dtype=torch.uint8, device=self.device)
         stream = torch.cuda.current_stream(self.device).cuda_stream if on_gpu else 0
         addrs = (a.data_ptr(), b.data_ptr(), self.offsets.data_ptr(), self.out.data_ptr())
         scales = (sfa.data_ptr(), sfb.data_ptr(), 0 if gsa is None else gsa.data_ptr(),

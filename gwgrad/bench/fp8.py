@@ -86,7 +86,7 @@ class Fp8Row:
                            wgrad=desc(self.out, "wgrad_tensor"), sfa=desc(sfa, "sfa_tensor"),
                            sfb=desc(sfb, "sfb_tensor"), sf_vec_size=vec,
                            scale_recipe=scale_recipe, **extra)
-        ws = torch.empty(max(plan.workspace_bytes, 1), dtype=torch.uint8, device="cuda")
+        ws = torch.zeros(max(plan.workspace_bytes, 1), dtype=torch.uint8, device="cuda")
         stream = torch.cuda.current_stream().cuda_stream
         addrs = (self.a.data_ptr(), self.b.data_ptr(), self.offsets.data_ptr(),
                  self.out.data_ptr())

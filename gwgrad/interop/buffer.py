@@ -86,7 +86,9 @@ _workspaces_lock = threading.Lock()
 
 
 def workspace(device_id: int, stream: int, nbytes: int, purpose: str = "kernel") -> int:
-    """Address of at least ``nbytes`` of device memory reserved for launches on ``stream``.
+    """Address of at least ``nbytes`` of device memory reserved for launches on ``stream``,
+    zero-filled when allocated (single-launch GEMMs need their grid-barrier words zero before
+    the first launch; every launch leaves them zero again).
 
     One allocation per (device, stream, purpose), grown when needed. Launches on one stream
     run in order, so reusing it for the next launch is safe; growing frees the old buffer with
@@ -103,8 +105,9 @@ def workspace(device_id: int, stream: int, nbytes: int, purpose: str = "kernel")
                 _workspaces.pop(key)
                 del buf
             granule = 1 << 20
-            buf = _workspaces[key] = DeviceBuffer(
-                (-(-nbytes // granule) * granule,), DType.UINT8, device_id)
+            buf = DeviceBuffer((-(-nbytes // granule) * granule,), DType.UINT8, device_id)
+            cuda.memset(buf.ptr, buf.nbytes, device_id)
+            _workspaces[key] = buf
         return buf.ptr
 
 

@@ -69,9 +69,21 @@ def empty(shape: Sequence[int], dtype: np.dtype, device_id: int, stream: Optiona
         return cupy.empty(tuple(shape), dtype)
 
 
-def workspace(nbytes: int, device_id: int) -> Any:
-    """A uint8 array from the pool on the current stream (freed in stream order)."""
-    if cupy.cuda.runtime.getDevice() == device_id:
-        return cupy.empty(nbytes, dtype=cupy.uint8)
-    with cupy.cuda.Device(device_id):
-        return cupy.empty(nbytes, dtype=cupy.uint8)
+# (device, stream) -> the eager workspace of that stream (launches on it run in order).
+_workspaces: dict = {}
+
+
+def workspace(nbytes: int, device_id: int, stream: int) -> Any:
+    """A zero-filled uint8 array from the pool for launches on ``stream`` (CuPy's current
+    stream on ``device_id``): one per stream, kept and grown, except while ``stream`` is being captured into a
+    CUDA graph: then a fresh one, zeroed on the stream (a node of the graph), which the caller
+    holds until the launch is enqueued (the pool frees it in stream order)."""
+    if cupy.cuda.get_current_stream(device_id).is_capturing():
+        with cupy.cuda.Device(device_id):
+            return cupy.zeros(nbytes, dtype=cupy.uint8)
+    key = (device_id, stream)
+    ws = _workspaces.get(key)
+    if ws is None or ws.nbytes < nbytes:
+        with cupy.cuda.Device(device_id):
+            ws = _workspaces[key] = cupy.zeros(max(nbytes, 1 << 16), dtype=cupy.uint8)
+    return ws

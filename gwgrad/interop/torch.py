@@ -83,25 +83,29 @@ def record_stream(t: torch.Tensor, stream: int) -> None:
         t.record_stream(torch.cuda.ExternalStream(stream, device=t.device))
 
 
-# (device index, stream) -> the eager workspace of that stream: launches on one stream run in
-# order, so one buffer serves them all (torch.empty per call cost ~3 us).
+# (device index, stream, purpose) -> the eager workspace of that stream: launches on one stream
+# run in order, so one buffer serves them all (torch.empty per call cost ~3 us). The GEMMs'
+# ("kernel") and the quantizers' ("quantize") are separate: a single-launch GEMM keeps its
+# grid-barrier words (bytes 8..15) zero between launches, which a quantizer's data would break.
 _workspaces: Dict[tuple, torch.Tensor] = {}
 
 
-def workspace(device_index: int, stream: int, nbytes: int) -> int:
-    """Address of ``nbytes`` of workspace for a launch on ``stream``, from torch's allocator.
+def workspace(device_index: int, stream: int, nbytes: int, purpose: str = "kernel") -> int:
+    """Address of ``nbytes`` of workspace for a launch on ``stream``, from torch's allocator,
+    zero-filled when allocated.
 
-    During CUDA-graph capture: a fresh block, freed right after the launch is enqueued: it comes
-    from (and stays in) the graph's private pool, which the replays use.
+    During CUDA-graph capture: a fresh block, zeroed on ``stream`` (a node of the graph) and
+    freed right after the launch is enqueued: it comes from (and stays in) the graph's private
+    pool, which the replays use.
     """
     if torch.cuda.is_current_stream_capturing():
         with on_stream(device_index, stream):
-            return torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device_index}").data_ptr()
-    key = (device_index, stream)
+            return torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{device_index}").data_ptr()
+    key = (device_index, stream, purpose)
     ws = _workspaces.get(key)
     if ws is None or ws.numel() < nbytes:
         with on_stream(device_index, stream):
-            ws = _workspaces[key] = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8,
+            ws = _workspaces[key] = torch.zeros(max(nbytes, 1 << 16), dtype=torch.uint8,
                                                 device=f"cuda:{device_index}")
     return ws.data_ptr()
 

@@ -7,18 +7,26 @@ so handing units out in increasing order runs the longest tiles first, and tiles
 run side by side and share its A/B K-panels through L2. Inside an expert, units go in bands of
 a few m-tiles, m fastest inside a band (unit_tile_coords).
 
-Per-expert K ranges. A small *prep kernel* (one warp per expert, grid = E) runs before the
-GEMM on the same stream and writes the workspace:
+Per-expert K ranges. The *prep work* (one warp per expert) writes the workspace before any
+unit starts. Either a small prep kernel (grid = E) runs before the GEMM on the same stream
+(``cfg.launches == 2``), or the GEMM's own warps do it (``cfg.launches == 1``: warp w of CTA b
+takes experts b + grid * w, ...; GroupedWgradKernel.prep_in_kernel), then every CTA waits at a
+grid barrier (grid_barrier; the kernel is launched cooperatively, so all its CTAs are
+resident). One launch saves the host one cudaLaunchKernelEx per call (docs/PERF_NOTES.md).
 
-    counter   int32      byte 0: the dynamic scheduler's unit counter, reset to 0 (block 0)
-    verdict   int32      byte 4: 1 when the offsets are valid, 0 when not (block 0, every launch)
-              (bytes 8..127 of this 128-byte block are unused)
+    counter   int32      byte 0: the dynamic scheduler's unit counter, reset to 0 (expert 0)
+    verdict   int32      byte 4: 1 when the offsets are valid, 0 when not (expert 0, every launch)
+    barrier   int32[2]   bytes 8, 12: the grid barrier's arrival count and generation (single
+                         launch only). The count must be 0 before a workspace's first launch
+                         (gwgrad zero-fills the workspaces it allocates) and every launch
+                         leaves it 0, so any later launch, of any grid size, may reuse it.
+              (bytes 16..127 of this 128-byte block are unused)
     ranges    int32[2E]  sanitized (begin, end) token range of every expert
     order     int32[E]   expert of each rank (longest first)
     descs     128 B each per expert: TMA descriptors for A and B, and for the output in
               discrete mode
 
-Offsets check (block 0 of the prep kernel, check_offsets). With prev(e) = offsets[e-1] (0 for
+Offsets check (expert 0's warp of the prep work, check_offsets). With prev(e) = offsets[e-1] (0 for
 e = 0) and count(e) = offsets[e] - prev(e), the offsets are valid iff every count(e) >= 0,
 offsets[E-1] == tokens_sum and every count(e) is a multiple of cfg.count_multiple (so every
 offset lies in [0, tokens_sum]). The warp reads the offsets lane-strided and combines with
@@ -72,8 +80,10 @@ from ..offsets import COUNT_NOT_MULTIPLE, LAST_NOT_TOKENS_SUM, NEGATIVE_COUNT, S
 from ..scales import column_rule
 
 DESC_BYTES = 128
-COUNTER_BYTES = 128  # the block holding the unit counter (byte 0) and the verdict (byte 4)
+COUNTER_BYTES = 128  # the block holding the unit counter, the verdict and the grid barrier
 VERDICT_BYTE = 4
+BARRIER_COUNT_BYTE = 8  # single-launch kernels' grid barrier: CTAs arrived (0 between launches)
+BARRIER_GEN_BYTE = 12  # ... and its generation (advanced by the last CTA to arrive)
 # The status record (see module doc): 8 int32, 16-byte aligned.
 STATUS_INT32 = 8
 (STATUS_CODE, STATUS_EXPERT, STATUS_VALUE, STATUS_PREV, STATUS_TOKENS_SUM,
@@ -122,6 +132,10 @@ class ProblemConfig:
     # SM100 block-scaled: the prep kernel also writes each expert's scale-factor descriptors
     # (slots desc_sfa / desc_sfb, over the expert's chunk of the blocked layout).
     sf_descriptors: bool = False
+    # Kernel launches per call: 2, the prep kernel then the GEMM; 1, the GEMM does the prep
+    # work itself before a grid barrier (GroupedWgradKernel.prep_in_kernel; SM90 BF16). The
+    # single launch needs the workspace's barrier words zero before its first use.
+    launches: int = 2
 
     # -- scales ------------------------------------------------------------------------
     @property
@@ -296,6 +310,8 @@ class Workspace:
         self.verdict = cute.make_tensor(
             cute.recast_ptr(base + VERDICT_BYTE, dtype=Int32), cute.make_layout(1)
         )
+        self.barrier_count = cute.recast_ptr(base + BARRIER_COUNT_BYTE, dtype=Int32)
+        self.barrier_gen = cute.recast_ptr(base + BARRIER_GEN_BYTE, dtype=Int32)
         self.ranges = cute.make_tensor(
             cute.recast_ptr(base + cfg.ranges_offset, dtype=Int32), cute.make_layout(2 * e)
         )
@@ -374,14 +390,14 @@ def sanitized_range(
 
 @cute.jit
 def write_ranges_and_order(
-    cfg: cutlass.Constexpr, offsets: cute.Tensor, tokens_sum: Int32, ws: Workspace
+    cfg: cutlass.Constexpr, offsets: cute.Tensor, tokens_sum: Int32, ws: Workspace,
+    expert: Int32,
 ):
-    """Body of the prep kernel's bookkeeping: one warp per expert (block index = expert).
+    """Body of the prep work's bookkeeping for one expert, by one warp.
 
     The rank of expert e is the number of experts with more tokens, or as many and a lower
     index: a stable longest-first sort without any inter-block communication.
     """
-    expert = cute.arch.block_idx()[0]
     lane = cute.arch.lane_idx()
     begin, end = sanitized_range(offsets, expert, tokens_sum, cfg.count_multiple)
     count = end - begin
@@ -789,6 +805,7 @@ class GroupedWgradKernel(GemmEntryPoints):
         self.prep_body(
             mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status, tiled_mma,
             a_smem_layout, b_smem_layout, epi_smem_layout, epi_tile, sf_capacity,
+            cute.arch.block_idx()[0],
         )
         # Order the descriptor writes before the GEMM kernel's tensormap-proxy reads.
         cpasync.fence_tma_desc_release()
@@ -796,16 +813,16 @@ class GroupedWgradKernel(GemmEntryPoints):
     @cute.jit
     def prep_body(
         self, mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status, tiled_mma,
-        a_smem_layout, b_smem_layout, epi_smem_layout, epi_tile, sf_capacity,
+        a_smem_layout, b_smem_layout, epi_smem_layout, epi_tile, sf_capacity, expert,
     ):
-        """The prep kernel's work for this block's expert; returns (workspace, expert, begin,
-        end, scale columns before the expert) for kernels that add descriptors of their own."""
+        """The prep work for one expert, by one warp (the prep kernel's block, or a warp of a
+        single-launch GEMM: prep_in_kernel); returns (workspace, expert, begin, end, scale
+        columns before the expert) for kernels that add descriptors of their own."""
         cfg = self.cfg
         ws = Workspace(cfg, workspace_ptr)
-        expert = cute.arch.block_idx()[0]
         if expert == 0:
             check_offsets(cfg, offsets, tokens_sum, ws, status, sf_capacity)
-        begin, end, columns_before = write_ranges_and_order(cfg, offsets, tokens_sum, ws)
+        begin, end, columns_before = write_ranges_and_order(cfg, offsets, tokens_sum, ws, expert)
         a_e = expert_operand_view(mA, cfg.hidden, cfg.a_ragged_block, begin, end)
         b_e = expert_operand_view(mB, cfg.intermediate, cfg.b_ragged_block, begin, end)
         atom_a, atom_b = self.expert_load_atoms(a_e, b_e, tiled_mma, a_smem_layout, b_smem_layout)
@@ -824,3 +841,56 @@ class GroupedWgradKernel(GemmEntryPoints):
                 )
                 cpasync.copy_tensormap(atom_c, ws.desc_ptr(expert, DESC_C))
         return ws, expert, begin, end, columns_before
+
+    # -- single launch: the prep work inside the GEMM kernel ---------------------------------
+    @cute.jit
+    def prep_in_kernel(
+        self, mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status, tiled_mma,
+        a_smem_layout, b_smem_layout, epi_smem_layout, epi_tile, sf_capacity,
+        num_warps: cutlass.Constexpr,
+    ):
+        """The prep kernel's work done by the GEMM's own CTAs (``cfg.launches == 1``): warp w
+        of block b takes experts b + grid * w, then every grid * num_warps-th; then every CTA
+        waits at the grid barrier, after which the workspace is complete (as the prep kernel
+        leaves it) for all of them."""
+        cfg = self.cfg
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        grid = cute.arch.grid_dim()[0]
+        first = cute.arch.block_idx()[0] + grid * warp
+        for expert in range(first, cfg.num_experts, grid * num_warps):
+            self.prep_body(
+                mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status, tiled_mma,
+                a_smem_layout, b_smem_layout, epi_smem_layout, epi_tile, sf_capacity, expert,
+            )
+        # Order this thread's descriptor writes before other CTAs' tensormap-proxy reads
+        # (they acquire each descriptor before its first use: acquire_descriptor).
+        cpasync.fence_tma_desc_release()
+        grid_barrier(Workspace(cfg, workspace_ptr))
+
+
+@cute.jit
+def grid_barrier(ws: Workspace):
+    """Every CTA of the grid waits here until all have arrived; what any thread wrote before
+    is then visible to every thread after. The grid must be co-resident (the single-launch
+    kernels are launched cooperatively, so the driver guarantees it or fails the launch).
+
+    Thread 0 of each CTA, between two CTA barriers: reads the generation, arrives (an
+    acq_rel atomic add on the count); the last to arrive (count == grid - 1) sets the count
+    back to 0 and advances the generation (release); the others spin until the generation
+    moves (acquire loads). The count is therefore 0 again whenever no launch is running: a
+    workspace must start with bytes 8..15 zero (gwgrad's workspaces are zero-filled when
+    allocated) and then serves any grid size."""
+    cute.arch.barrier()
+    if cute.arch.thread_idx()[0] == 0:
+        grid = cute.arch.grid_dim()[0]
+        gen = cute.arch.load(ws.barrier_gen, Int32, sem="acquire", scope="gpu")
+        arrived = cute.arch.atomic_add(ws.barrier_count, Int32(1), sem="acq_rel", scope="gpu")
+        if arrived == grid - 1:
+            cute.arch.atomic_exch(ws.barrier_count, Int32(0), sem="relaxed", scope="gpu")
+            cute.arch.atomic_add(ws.barrier_gen, Int32(1), sem="release", scope="gpu")
+        else:
+            now = gen
+            while now == gen:
+                now = cute.arch.load(ws.barrier_gen, Int32, sem="acquire", scope="gpu")
+        cute.arch.fence_acq_rel_gpu()
+    cute.arch.barrier()

@@ -252,6 +252,7 @@ class Sm100BlockScaledGroupedWgrad(ScaledEntryPoints, Sm100GroupedWgrad):
         ws, expert, begin, end, columns_before = self.prep_body(
             mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status, tiled_mma,
             a_smem_layout, b_smem_layout, epi_smem_layout, epi_tile, sf_capacity,
+            cute.arch.block_idx()[0],
         )
         # The expert's chunk: its C_e columns (one atom for an empty expert, whose descriptor
         # is never used) at round_up(rows, 128) * sf_base[e] bytes.

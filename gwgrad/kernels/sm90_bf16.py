@@ -2,12 +2,18 @@
 
 Work decomposition: units of (expert, m-tile, n-tile), longest experts first, handed out
 dynamically (see kernels/common.py for the unit order, the per-expert K ranges, the offsets
-check and the workspace the prep kernel writes before this kernel runs).
+check and the workspace the prep work writes before any unit starts).
 
-Invalid offsets: every thread first reads the prep kernel's verdict (workspace byte 4; the
-prep kernel finished before this kernel started, by stream order). When it is 0 the whole CTA
-skips everything, shared-memory setup and barrier init included: no loads, no MMA, no store,
-so the output (dense or discrete, accumulated or not) keeps every byte it had.
+One launch per call (spec.launches=1, the default for BF16): the CTAs first do the prep work
+themselves (GroupedWgradKernel.prep_in_kernel: each warp the experts b + grid * w, ...), then
+meet at a grid barrier (kernels/common.grid_barrier; the launch is cooperative, so the driver
+keeps every CTA resident or fails the launch). With spec.launches=2 (JAX's custom call, whose
+XLA workspace is not zeroed) the prep kernel runs first instead.
+
+Invalid offsets: every thread then reads the verdict (workspace byte 4; written before the grid
+barrier, or by the prep kernel, which finished before this kernel started). When it is 0 the
+whole CTA skips everything, shared-memory setup and barrier init included: no loads, no MMA,
+no store, so the output (dense or discrete, accumulated or not) keeps every byte it had.
 
 Warp roles (384 threads, one CTA per SM, persistent):
   warp group 0   producer(). Warp 0 takes units (its block index first, then an atomic counter),
@@ -52,12 +58,16 @@ SM100 (GroupedWgradKernel.store_subtile in kernels/common.py); dense outputs use
 intermediate, E) descriptor, discrete outputs the expert's descriptor from the workspace.
 An empty expert stores zeros, or nothing when accumulating.
 
-Verified on an H200: the GEMM's numbers in every mode (tests/test_sm90_kernel_gpu.py,
+Verified on an H200: one launch and two (TestSm90TwoLaunches), the grid barrier leaving its
+words ready for the next launch of any grid size
+(test_single_launch_leaves_its_workspace_ready_for_any_grid), every cluster shape launched
+cooperatively; the GEMM's numbers in every mode (tests/test_sm90_kernel_gpu.py,
 tests/test_api_gpu.py, the adapters' GPU tests) and its speed (the benchmarks,
 docs/results/); the offsets check and the skip on invalid offsets (tests/test_status_gpu.py:
 default, graph-captured and validate_offsets=False launches write nothing and raise naming
-offsets_tensor). tests/test_compile_sm90.py also asserts the GPU-scope CAS and system-scope fence in the
-prep kernel and the verdict load and branch at the start of this kernel. epi_buffer_sets=2
+offsets_tensor). tests/test_compile_sm90.py also asserts the GPU-scope CAS and system-scope
+fence of the offsets check, the grid barrier's atomics and fences, and the verdict load and
+branch before any GEMM work. epi_buffer_sets=2
 (the default for 16-bit outputs of >= 1024 tiles per expert) and the clusters with the
 leader's unit hand-off ((1, 2): the default for FP32 outputs of short experts; (2, 1), (2, 2):
 opt-in) run on the H200 too: tests/test_sm90_kernel_gpu.py::test_pingpong_epilogue_buffer_set_per_group
@@ -88,6 +98,7 @@ from .common import (
     DESC_A,
     DESC_B,
     DESC_C,
+    STATUS_INT32,
     ProblemConfig,
     Workspace,
     acquire_descriptor,
@@ -296,10 +307,13 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         if cutlass.const_expr(scales is not None):
             scale_sources = self.scale_sources(scales)
             sf_capacity = scales[4]
-        self.launch_prep(
-            mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status_ptr, self.tiled_mma,
-            a_smem_layout, b_smem_layout, epi_smem_layout, stream, sf_capacity,
-        )
+        single = cfg.launches == 1  # the prep work inside this kernel (BF16 only)
+        if cutlass.const_expr(not single):
+            self.launch_prep(
+                mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status_ptr,
+                self.tiled_mma, a_smem_layout, b_smem_layout, epi_smem_layout, stream,
+                sf_capacity,
+            )
         self.shared_storage = self.storage_type()
         args = (
             tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tma_tensor_c,
@@ -307,7 +321,10 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
         )
         if cutlass.const_expr(scales is None):
-            kernel = self.kernel(*args)
+            status = cute.make_tensor(
+                cute.recast_ptr(status_ptr, dtype=Int32), cute.make_layout(STATUS_INT32)
+            )
+            kernel = self.kernel(*args, mA, mB, offsets, tokens_sum, status)
         else:
             kernel = self.kernel_scaled(*args, *scale_sources)
         kernel.launch(
@@ -316,6 +333,9 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             cluster=(self.cluster_size, 1, 1),
             min_blocks_per_mp=1,
             stream=stream,
+            # The grid barrier of a single launch needs every CTA resident at once: the driver
+            # guarantees it for a cooperative launch, or fails the launch.
+            cooperative=single,
         )
 
     def load_atoms(self, a, b, a_smem_layout, b_smem_layout):
@@ -389,11 +409,26 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         a_smem_layout_staged: cute.ComposedLayout,
         b_smem_layout_staged: cute.ComposedLayout,
         epi_smem_layout_staged: cute.ComposedLayout,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        offsets: cute.Tensor,
+        tokens_sum: Int32,
+        status: cute.Tensor,
     ):
         ws = Workspace(self.cfg, workspace_ptr)
-        # The prep kernel's offsets verdict (it ran before this kernel on the stream). Every
-        # thread reads it before touching shared memory, barriers or the output: with invalid
-        # offsets the whole CTA exits at once, so no store and no half-initialized pipeline.
+        if cutlass.const_expr(self.cfg.launches == 1):
+            # The prep kernel's work, by this grid's warps, up to the grid barrier.
+            self.prep_in_kernel(
+                mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status, tiled_mma,
+                cute.slice_(a_smem_layout_staged, (None, None, 0)),
+                cute.slice_(b_smem_layout_staged, (None, None, 0)),
+                cute.slice_(epi_smem_layout_staged, (None, None, 0)),
+                self.epi_tile, Int32(0), self.num_threads // 32,
+            )
+        # The offsets verdict (of the prep kernel, which ran before this kernel on the stream,
+        # or of this grid's prep work, complete after the grid barrier). Every thread reads it
+        # before touching shared memory, barriers or the output: with invalid offsets the
+        # whole CTA exits at once, so no store and no half-initialized pipeline.
         if ws.verdict[0] != 0:
             self.gemm_cta(
                 tma_atom_a, mA_coord, tma_atom_b, mB_coord, tma_atom_c, mC_coord, wgrad_ptrs, ws,

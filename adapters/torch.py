@@ -128,7 +128,7 @@ def _allocate_and_launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tenso
             _allocating[key] = (plan, result.shape)
         return result
     plan, shape = hit
-    result = torch.empty(shape, dtype=dtype, device=x.device)
+    result = x.new_empty(shape, dtype=dtype)
     _run(plan, x, dy, offsets, result)
     return result
 
@@ -187,7 +187,7 @@ _lib.define("grouped_gemm_wgrad_discrete(Tensor x, Tensor dy, Tensor offsets, "
 
 def _empty_output(x, dy, offsets, out_dtype):
     shape = experts_hidden_intermediate(x.shape, dy.shape, offsets.shape)
-    return torch.empty(shape, dtype=out_dtype, device=x.device)
+    return x.new_empty(shape, dtype=out_dtype)  # ~0.5 us cheaper than torch.empty(device=)
 
 
 def _grouped_gemm_wgrad(x, dy, offsets, out_dtype):
@@ -235,7 +235,10 @@ def _eager(*tensors: torch.Tensor) -> bool:
         return False
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return False
-    return all(type(t) is torch.Tensor and not t.is_meta for t in tensors)
+    for t in tensors:  # a loop, not all(<generator>): this runs on every call
+        if type(t) is not torch.Tensor or t.is_meta:
+            return False
+    return True
 
 
 def _check_arguments(x, dy, offsets, out) -> None:

@@ -20,7 +20,11 @@ resident). One launch saves the host one cudaLaunchKernelEx per call (docs/PERF_
                          launch only). The count must be 0 before a workspace's first launch
                          (gwgrad zero-fills the workspaces it allocates) and every launch
                          leaves it 0, so any later launch, of any grid size, may reuse it.
-              (bytes 16..127 of this 128-byte block are unused)
+    live      int32      byte 16: experts with tokens (expert 0). They hold ranks 0..live-1, so
+                         units past live * tiles_per_expert belong to empty experts (the SM90
+                         kernels hand out only the others, and zero the empty experts' outputs
+                         with plain stores from otherwise idle warps).
+              (bytes 20..127 of this 128-byte block are unused)
     ranges    int32[2E]  sanitized (begin, end) token range of every expert
     order     int32[E]   expert of each rank (longest first)
     descs     128 B each per expert: TMA descriptors for A and B, and for the output in
@@ -84,6 +88,7 @@ COUNTER_BYTES = 128  # the block holding the unit counter, the verdict and the g
 VERDICT_BYTE = 4
 BARRIER_COUNT_BYTE = 8  # single-launch kernels' grid barrier: CTAs arrived (0 between launches)
 BARRIER_GEN_BYTE = 12  # ... and its generation (advanced by the last CTA to arrive)
+LIVE_BYTE = 16  # experts with tokens (ranks 0 .. live-1 of the unit order; the rest are empty)
 # The status record (see module doc): 8 int32, 16-byte aligned.
 STATUS_INT32 = 8
 (STATUS_CODE, STATUS_EXPERT, STATUS_VALUE, STATUS_PREV, STATUS_TOKENS_SUM,
@@ -310,6 +315,9 @@ class Workspace:
         self.verdict = cute.make_tensor(
             cute.recast_ptr(base + VERDICT_BYTE, dtype=Int32), cute.make_layout(1)
         )
+        self.live = cute.make_tensor(
+            cute.recast_ptr(base + LIVE_BYTE, dtype=Int32), cute.make_layout(1)
+        )
         self.barrier_count = cute.recast_ptr(base + BARRIER_COUNT_BYTE, dtype=Int32)
         self.barrier_gen = cute.recast_ptr(base + BARRIER_GEN_BYTE, dtype=Int32)
         self.ranges = cute.make_tensor(
@@ -402,15 +410,18 @@ def write_ranges_and_order(
     begin, end = sanitized_range(offsets, expert, tokens_sum, cfg.count_multiple)
     count = end - begin
     ahead = Int32(0)
+    nonempty = Int32(0)
     columns_before = Int32(0)
     for j in range(lane, cfg.num_experts, 32):
         bj, ej = sanitized_range(offsets, j, tokens_sum, cfg.count_multiple)
         cj = ej - bj
+        nonempty += Int32(cj > 0)
         if cj > count or (cj == count and j < expert):
             ahead += 1
         if cutlass.const_expr(cfg.sf_rule is not None):
             columns_before += Int32(j < expert) * scale_columns(cfg, cj)
     rank = cute.arch.warp_redux_sync(ahead, "add")
+    live = cute.arch.warp_redux_sync(nonempty, "add")
     ranges, order, counter = ws.ranges, ws.order, ws.counter
     if cutlass.const_expr(cfg.sf_rule is not None):
         columns_before = cute.arch.warp_redux_sync(columns_before, "add")
@@ -422,6 +433,7 @@ def write_ranges_and_order(
         order[rank] = expert
         if expert == 0:
             counter[0] = Int32(0)
+            ws.live[0] = live
     return begin, end, columns_before
 
 
@@ -514,6 +526,18 @@ def check_offsets(
                 cute.arch.fence_acq_rel_sys()
                 status[STATUS_MULTIPLE] = Int32(cfg.count_multiple)
                 cute.arch.fence_acq_rel_sys()
+
+
+@dsl_user_op
+def store_zeros_16b(address: Int64, *, loc=None, ip=None) -> None:
+    """16 zero bytes at global ``address`` (16-byte aligned), streaming (st.global.cs)."""
+    from cutlass._mlir import ir
+    from cutlass._mlir.dialects import vector
+
+    zeros = vector.broadcast(ir.VectorType.get([4], Int32.mlir_type),
+                             Int32(0).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
+    ptr = cute.make_ptr(Int32, address, cute.AddressSpace.gmem, assumed_align=16, loc=loc, ip=ip)
+    cute.arch.store(ptr, zeros, cop="cs", loc=loc, ip=ip)
 
 
 @cute.jit

@@ -107,6 +107,7 @@ from .common import (
     expert_output_view,
     gemm_views,
     output_ptr_ok,
+    store_zeros_16b,
     tma_desc_ptr_for_copy,
     token_origin,
     unit_tile_coords,
@@ -132,6 +133,7 @@ def stage_bytes(cfg: ProblemConfig) -> int:
         ab += scale_stage_bytes(cfg)
     return ab
 
+WARP_SIZE = 32
 WARP_GROUP_THREADS = 128
 
 
@@ -139,6 +141,7 @@ class WarpRole(enum.IntEnum):
     """Warps with a role of their own (warp index in the CTA)."""
 
     TMA = 0  # warp group 0's first warp: takes units, publishes them, issues the TMA loads
+    ZERO = 1  # warp group 0's other warps (1-3): zero the empty experts' outputs
     MMA = 4  # first warp of the consumer warp groups (1-2: WGMMA + epilogue); the first warp
     #          of each consumer group issues its TMA stores
 
@@ -315,9 +318,14 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 sf_capacity,
             )
         self.shared_storage = self.storage_type()
+        # The output's base for the zero fill of empty experts (dense mode; in discrete mode
+        # their addresses come from wgrad_ptrs).
+        c_out = wgrad_ptrs
+        if cutlass.const_expr(cfg.output_mode == "dense"):
+            c_out = cute.make_tensor(c_ptr, cute.make_layout(1))
         args = (
             tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tma_atom_c, tma_tensor_c,
-            wgrad_ptrs, workspace_ptr, self.tiled_mma,
+            wgrad_ptrs, c_out, workspace_ptr, self.tiled_mma,
             self.a_smem_layout_staged, self.b_smem_layout_staged, self.epi_smem_layout_staged,
         )
         if cutlass.const_expr(scales is None):
@@ -404,6 +412,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         tma_atom_c: cute.CopyAtom,
         mC_coord: cute.Tensor,
         wgrad_ptrs: cute.Tensor,
+        c_out: cute.Tensor,
         workspace_ptr: cute.Pointer,
         tiled_mma: cute.TiledMma,
         a_smem_layout_staged: cute.ComposedLayout,
@@ -431,14 +440,16 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         # whole CTA exits at once, so no store and no half-initialized pipeline.
         if ws.verdict[0] != 0:
             self.gemm_cta(
-                tma_atom_a, mA_coord, tma_atom_b, mB_coord, tma_atom_c, mC_coord, wgrad_ptrs, ws,
+                tma_atom_a, mA_coord, tma_atom_b, mB_coord, tma_atom_c, mC_coord, wgrad_ptrs,
+                c_out, ws,
                 tiled_mma, a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged,
                 None,
             )
 
     @cute.jit
     def gemm_cta(
-        self, tma_atom_a, mA_coord, tma_atom_b, mB_coord, tma_atom_c, mC_coord, wgrad_ptrs, ws,
+        self, tma_atom_a, mA_coord, tma_atom_b, mB_coord, tma_atom_c, mC_coord, wgrad_ptrs,
+        c_out, ws,
         tiled_mma, a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged, scales,
     ):
         """One CTA's whole work (valid offsets only). `scales`: None for BF16; the scaled
@@ -501,6 +512,8 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                     tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB,
                     ab_pipeline, sched_pipeline, sched_slots, ws, scales, smem_scales, mailbox,
                 )
+            elif cutlass.const_expr(not self.cfg.accumulate):
+                self.zero_empty_experts(ws, c_out, wgrad_ptrs, tidx - WARP_SIZE)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consumer(
@@ -583,7 +596,10 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             cfg, cutlass.min(unit, cfg.num_units - 1), ws
         )
         self.acquire_descriptors(ws, expert)
-        while unit < cfg.num_units:
+        # Only the experts with tokens get units (ranks 0 .. live-1); warps ZERO.. zero the
+        # others' outputs (zero_empty_experts), or there is nothing to add when accumulating.
+        live_units = ws.live[0] * cfg.tiles_per_expert
+        while unit < live_units:
             self.publish(sched_pipeline, sched_state, sched_slots, unit, expert, k_tiles, lane)
             sched_state.advance()
             nxt = Int32(0)
@@ -637,6 +653,32 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 for i in cutlass.range_constexpr(MBOX_STAGES):
                     cute.arch.mbarrier_wait(mailbox[1] + (seq + i) % MBOX_STAGES,
                                             ((seq + i) // MBOX_STAGES + 1) % 2)
+
+    @cute.jit
+    def zero_empty_experts(self, ws, c_out, wgrad_ptrs, tid):
+        """Warps ZERO..ZERO+2 (``tid`` 0..95 among them): zero the outputs of the experts
+        without tokens (ranks live .. E-1) with 16-byte streaming stores, each expert's
+        output split over the whole grid (thread t of CTA b takes the 16-byte words b * 96 + t
+        + k * grid * 96). The units of those experts are never handed out, so no consumer
+        spends an epilogue on them, and these stores overlap the other units' math. Discrete
+        outputs whose address is null or misaligned are skipped, as in the epilogue."""
+        cfg = self.cfg
+        threads = 3 * WARP_SIZE
+        expert_bytes = cfg.hidden * cfg.intermediate * (cfg.cutlass_c_dtype.width // 8)
+        words = expert_bytes // 16  # hidden, intermediate: multiples of 8
+        first = Int32(cute.arch.block_idx()[0]) * threads + tid
+        step = Int32(cute.arch.grid_dim()[0]) * threads
+        for rank in range(ws.live[0], cfg.num_experts):
+            expert = ws.order[rank]
+            if cutlass.const_expr(cfg.output_mode == "dense"):
+                base = c_out.iterator.toint() + Int64(expert) * expert_bytes
+                for word in range(first, words, step):
+                    store_zeros_16b(base + Int64(word) * 16)
+            else:
+                if output_ptr_ok(wgrad_ptrs, expert):
+                    base = wgrad_ptrs[expert]
+                    for word in range(first, words, step):
+                        store_zeros_16b(base + Int64(word) * 16)
 
     def is_cluster_leader(self):
         """Whether this CTA (rank 0 of its cluster) takes the cluster's units."""

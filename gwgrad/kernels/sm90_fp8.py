@@ -190,6 +190,7 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
         tma_atom_c: cute.CopyAtom,
         mC_coord: cute.Tensor,
         wgrad_ptrs: cute.Tensor,
+        c_out: cute.Tensor,
         workspace_ptr: cute.Pointer,
         tiled_mma: cute.TiledMma,
         a_smem_layout_staged: cute.ComposedLayout,
@@ -208,7 +209,8 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
         # The offsets verdict, as in the BF16 kernel (module doc there).
         if ws.verdict[0] != 0:
             self.gemm_cta(
-                tma_atom_a, mA_coord, tma_atom_b, mB_coord, tma_atom_c, mC_coord, wgrad_ptrs, ws,
+                tma_atom_a, mA_coord, tma_atom_b, mB_coord, tma_atom_c, mC_coord, wgrad_ptrs,
+                c_out, ws,
                 tiled_mma, a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged,
                 (atom_sfa, mSFA_coord, atom_sfb, mSFB_coord, sfa, sfb, gsa, gsb),
             )

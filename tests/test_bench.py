@@ -383,3 +383,22 @@ def test_one_small_row_on_the_gpu(tmp_path):
     assert not row.get("check_failed"), row.get("rel_err")
     assert 0 < row["wrapper_over_adapter"] < 2
     assert math.isfinite(row["hbm"]["fraction"]["gwgrad"])
+
+
+def test_zipf_anatomy_variants():
+    """scripts/zipf_anatomy.py's count variants: subsets of the zipf counts, as named."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "zipf_anatomy.py"
+    spec = importlib.util.spec_from_file_location("zipf_anatomy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    v = module.variants(131072, 128)
+    zipf = v["zipf"]
+    assert sum(v["uniform"]) == sum(zipf) == 131072 and len(zipf) == 128
+    assert v["zipf, empty experts dropped"] == [c for c in zipf if c]
+    assert 0 in zipf and 0 not in v["zipf, empty experts dropped"]
+    assert min(v["zipf, experts <= 512 tokens dropped"]) > 512
+    assert min(v["zipf, experts >= 8192 tokens only"]) >= 8192
+    assert len(v["zipf, experts >= 8192 tokens only"]) == 3

@@ -22,7 +22,11 @@ Warp roles (384 threads, one CTA per SM, persistent):
                  into a multi-stage ring, using the expert's own descriptors (TMA zero-fills
                  past the expert's last token). It decodes the next unit and acquires and
                  prefetches its descriptors one unit ahead, so the ring does not drain at unit
-                 boundaries. Registers are given away (setmaxnreg 40).
+                 boundaries. Only the experts with tokens have units (the first live *
+                 tiles_per_expert; workspace byte 16). Warps 1-3 (WarpRole.ZERO) zero the
+                 empty experts' outputs meanwhile with 16-byte streaming stores spread over
+                 the grid (zero_empty_experts; nothing when accumulating). Registers are given
+                 away (setmaxnreg 40).
   warp groups 1-2 consumer() (setmaxnreg 232): per unit mainloop() (WGMMA, FP32 accumulators
                  in registers), then epilogue(); the two groups share the work:
                  cooperative: both warp groups work on one unit, each on half of its rows;
@@ -56,7 +60,7 @@ stmatrix in (64|128) x 64 sub-tiles (x 32 for FP32) and stored with TMA: a plain
 (`cp.reduce.async.bulk.tensor .add`) when accumulating, issued by the store helper shared with
 SM100 (GroupedWgradKernel.store_subtile in kernels/common.py); dense outputs use one (hidden,
 intermediate, E) descriptor, discrete outputs the expert's descriptor from the workspace.
-An empty expert stores zeros, or nothing when accumulating.
+Empty experts get no unit: warps 1-3 store their zeros (above), or nothing when accumulating.
 
 Verified on an H200: one launch and two (TestSm90TwoLaunches), the grid barrier leaving its
 words ready for the next launch of any grid size

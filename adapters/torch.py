@@ -96,10 +96,10 @@ def _run(plan: LaunchPlan, x: torch.Tensor, dy: torch.Tensor, offsets: torch.Ten
          target: torch.Tensor, validate_offsets: bool = False) -> None:
     """Launch ``plan`` on torch's current stream with its per-stream workspace."""
     stream = workspace = 0
-    if plan.is_cuda:
-        stream = tinterop.current_stream(x.device.index)
+    if plan.is_cuda:  # plan.device_id: x's device (plans are keyed by it)
+        stream = tinterop.current_stream(plan.device_id)
         if plan.workspace_bytes:
-            workspace = tinterop.workspace(x.device.index, stream, plan.workspace_bytes)
+            workspace = tinterop.workspace(plan.device_id, stream, plan.workspace_bytes)
     try:
         plan.launch(x.data_ptr(), dy.data_ptr(), offsets.data_ptr(), target.data_ptr(),
                     stream=stream, workspace=workspace, validate_offsets=validate_offsets)

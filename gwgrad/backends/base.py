@@ -74,9 +74,10 @@ class Backend(abc.ABC):
         return 1
 
     def default_launches(self, spec: StaticSpec) -> int:
-        """Kernel launches per call for a spec whose caller left ``launches`` 0: 2 (a prep
-        kernel, then the GEMM) unless the backend's GEMM can do the prep work itself."""
-        return 2
+        """Kernel launches per call for a spec whose caller left ``launches`` 0: 1 where the
+        backend's GEMM can do the prep work itself (``single_launch_problem`` is None), else 2
+        (a prep kernel, then the GEMM)."""
+        return 1 if self.single_launch_problem(spec) is None else 2
 
     def single_launch_problem(self, spec: StaticSpec) -> Optional[str]:
         """Why this backend cannot run ``spec`` in one launch (``launches=1``), or None."""

@@ -75,12 +75,10 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
             return 1
         return 2 if _output_tiles(spec) >= EPI_SPLIT_TILES else 1
 
-    def default_launches(self, spec: StaticSpec):
-        # One launch (the prep work inside the GEMM, behind a grid barrier): the host pays one
-        # cudaLaunchKernelEx per call instead of two (docs/PERF_NOTES.md, the host path).
-        return 1
-
     def single_launch_problem(self, spec: StaticSpec):
+        # None: one launch by default (the prep work inside the GEMM, behind a grid barrier),
+        # so the host pays one cudaLaunchKernelEx per call instead of two (docs/PERF_NOTES.md,
+        # the host path).
         return None
 
     def tiling_problem(self, spec: StaticSpec):

@@ -350,19 +350,31 @@ def _store_entry(directory: Path, key: str, signature: Tuple[str, ...], compiled
     """Export ``compiled``, link it (when a C compiler exists), store the entry, load it."""
     data, meta = _export(key, signature, compiled, info, extra)
     try:
-        _write_entry(directory, key, meta, data)
+        return _write_and_load(directory, key, signature, meta, data)
     except OSError as exc:  # disk full, permissions changed...
         if directory == _scratch:
             raise
         warnings.warn(f"gwgrad kernel cache: writing to {directory} failed ({exc}); this "
                       "kernel is kept in memory only", RuntimeWarning, stacklevel=3)
-        directory = _scratch_dir()
-        _write_entry(directory, key, meta, data)
-    try:
-        return KernelFunction(_load_binary(directory / meta["binary"], meta), key, signature,
-                              meta)
-    except _BadEntry as exc:
-        raise RuntimeError(f"loading the kernel just compiled failed: {exc}") from exc
+        return _write_and_load(_scratch_dir(), key, signature, meta, data)
+
+
+def _write_and_load(directory: Path, key: str, signature: Tuple[str, ...],
+                    meta: Dict[str, Any], data: bytes) -> "KernelFunction":
+    """Under the key's lock: the entry another process stored meanwhile, else ours written
+    (binary, then the metadata that vouches for it) and loaded. Loading under the lock keeps
+    a concurrent writer from replacing the binary between our write and our load."""
+    with _key_lock(directory, key):
+        with contextlib.suppress(_BadEntry):
+            return _open_entry(directory, key, signature)
+        _remove(directory, key)
+        _write_atomic(directory / meta["binary"], data)
+        _write_atomic(directory / f"{key}.json", json.dumps(meta, indent=1).encode())
+        try:
+            return KernelFunction(_load_binary(directory / meta["binary"], meta), key,
+                                  signature, meta)
+        except _BadEntry as exc:
+            raise RuntimeError(f"loading the kernel just compiled failed: {exc}") from exc
 
 
 def _export(key: str, signature: Tuple[str, ...], compiled: Any, info: Dict[str, Any],
@@ -393,14 +405,6 @@ def _export(key: str, signature: Tuple[str, ...], compiled: Any, info: Dict[str,
         "binary": f"{key}{suffix}", "size": len(data),
         "sha256": hashlib.sha256(data).hexdigest(), "dsl_version": dsl_version(),
         "runtime": runtime[0], "info": info, "created": time.time(), **extra}
-
-
-def _write_entry(directory: Path, key: str, meta: Dict[str, Any], data: bytes) -> None:
-    """Replace the key's entry: the binary, then the metadata that vouches for it."""
-    with _key_lock(directory, key):
-        _remove(directory, key)
-        _write_atomic(directory / meta["binary"], data)
-        _write_atomic(directory / f"{key}.json", json.dumps(meta, indent=1).encode())
 
 
 def _link(obj: bytes) -> Tuple[bytes, str]:

@@ -385,6 +385,21 @@ t.check_records(t.load_recorder(t.compile_recorder()))
 """
 
 
+def test_a_writer_keeps_the_entry_another_process_stored_meanwhile(cache, recorder):
+    """Two processes missed the cache and both compiled: the second to store loads the first
+    one's entry instead of replacing its files (replacing them raced with the first one's
+    load of its binary: CI saw "cannot open shared object file")."""
+    load_recorder(recorder)
+    key = kernel_cache.entry_key(RECORDER_KEY, ARCH, OPTIONS, SIGNATURE)
+    stored = {p.name: p.stat().st_ino for p in cache.iterdir()}
+    kernel_cache.clear_memory()
+    kernel = kernel_cache._store_entry(cache, key, SIGNATURE, recorder, {"what": "second"},
+                                       {"arch": ARCH, "options": OPTIONS})
+    assert kernel.info == {"what": "recorder"}  # the first writer's entry
+    assert {p.name: p.stat().st_ino for p in cache.iterdir()} == stored
+    check_records(kernel)
+
+
 def test_concurrent_writers(cache):
     """Processes compiling the same kernel at once leave one good entry."""
     pytest.importorskip("cutlass")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from collections import OrderedDict
 from typing import Any, Dict, Optional, Tuple
 
 from . import backends, cuda, interop, offsets as offsets_rules, status
@@ -35,34 +34,28 @@ __all__ = ["CompiledOperator", "LaunchPlan", "PlanCache", "compile_spec", "plan_
            "plan_for_spec", "cache_info", "clear_cache"]
 
 class PlanCache:
-    """Plans by call signature, least recently used first out past ``maxsize``.
+    """Plans by call signature, the oldest first out past ``maxsize``.
 
     Signatures hold shapes, so a workload whose token total changes every step (dropless
     MoE) makes a new plan per total: unbounded, that would grow for as long as training runs.
-    A hit costs a dict lookup and an ``OrderedDict.move_to_end``; concurrent threads may
-    race on an entry being evicted, which only costs a rebuilt plan."""
+    A hit is one dict lookup: no recency bookkeeping (an ``OrderedDict.move_to_end`` hashed the
+    key a second time on every call), so a signature in use is dropped once every ``maxsize``
+    new signatures and then costs one rebuilt plan. Concurrent threads may race on an entry
+    being evicted, which also only costs a rebuilt plan."""
 
     def __init__(self, maxsize: int = 512):
         self.maxsize = maxsize
-        self._entries: "OrderedDict[tuple, Any]" = OrderedDict()
-
-    def get(self, key):
-        entries = self._entries
-        value = entries.get(key)
-        if value is not None:
-            try:
-                entries.move_to_end(key)
-            except KeyError:  # evicted by another thread meanwhile
-                pass
-        return value
+        self._entries: Dict[tuple, Any] = {}
+        #: ``get`` bound once: the per-call paths call it directly.
+        self.get = self._entries.get
 
     def __setitem__(self, key, value) -> None:
         entries = self._entries
         entries[key] = value
         while len(entries) > self.maxsize:
             try:
-                entries.popitem(last=False)
-            except KeyError:  # emptied by another thread
+                del entries[next(iter(entries))]
+            except (KeyError, StopIteration, RuntimeError):  # changed by another thread
                 break
 
     def __len__(self) -> int:

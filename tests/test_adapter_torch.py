@@ -73,9 +73,10 @@ def test_dense_against_reference(out_dtype):
 
 
 def test_allocating_calls_reuse_their_plan():
-    """A repeated allocating call takes its (plan, shape) from a cache keyed by the inputs'
-    signature and the dtype: a new output each time, the numbers of the full path, other
-    offsets with the same shape included; another dtype is another entry."""
+    """A repeated allocating call takes its (plan, output template) from a cache keyed by the
+    inputs' signature and the out_dtype argument: a new contiguous output of its own storage
+    each time, the numbers of the full path, other offsets with the same shape included;
+    another dtype is another entry; what the cache cannot hold goes the checked way."""
     gwt._allocating.clear()
     x, dy, offsets = inputs()
     first = gwt.wgrad(x, dy, offsets)
@@ -83,12 +84,25 @@ def test_allocating_calls_reuse_their_plan():
     other = torch.tensor([0, 120, 150, 200], dtype=torch.int32)  # same tokens, other counts
     second = gwt.wgrad(x, dy, other)
     assert len(gwt._allocating) == 1 and second is not first
-    assert second.shape == first.shape and second.dtype == torch.bfloat16
+    for w in (first, second):
+        assert w.shape == (4, HIDDEN, INTER) and w.dtype == torch.bfloat16 and w.is_contiguous()
+        assert w.untyped_storage().nbytes() == w.numel() * w.element_size()
+    assert first.data_ptr() != second.data_ptr()
     assert rel_err(first, reference(x, dy, offsets)) < 1e-2
     assert rel_err(second, reference(x, dy, other)) < 1e-2
     assert (second[0] == 0).all()
     assert gwt.wgrad(x, dy, other, out_dtype=torch.float32).dtype == torch.float32
-    assert len(gwt._allocating) == 2
+    assert gwt.wgrad(x, dy, other, out_dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert len(gwt._allocating) == 3  # None, float32, bfloat16
+    third = gwt.wgrad(x, dy, other, out_dtype=torch.float32)  # a hit
+    assert third.dtype == torch.float32 and rel_err(third, reference(x, dy, other)) < 1e-6
+    with pytest.raises(ValueError, match="out_dtype"):
+        gwt.wgrad(x, dy, offsets, out_dtype=[torch.float32])  # unhashable: no cache entry
+    with pytest.raises(ValueError, match="out_dtype"):
+        gwt.wgrad(x, dy, offsets, out_dtype=torch.float64)
+    metas = [t.to("meta") for t in (x, dy, offsets)]
+    assert gwt.wgrad(*metas).device.type == "meta"  # the op's fake kernel, not a hit
+    assert len(gwt._allocating) == 3
 
 
 def test_into_and_accumulate():

@@ -175,22 +175,26 @@ def test_cpu_plan_runs_the_reference(rng):
         plan.launch(a.desc.ptr, b.desc.ptr, bad.ctypes.data, out.ctypes.data)
 
 
-def test_plan_caches_are_bounded_least_recently_used_out():
+def test_plan_caches_are_bounded_oldest_out():
     """A token total that changes every call (dropless MoE) makes a new plan each time: the
-    caches keep at most maxsize plans, dropping the least recently used first."""
+    caches keep at most maxsize plans, dropping the oldest first (a hit does no bookkeeping)."""
     from gwgrad.plan import PlanCache
 
     cache = PlanCache(maxsize=3)
     for k in "abc":
         cache[k] = k.upper()
-    assert cache.get("a") == "A"  # a is now the most recently used
+    assert cache.get("a") == "A"
     cache["d"] = "D"
-    assert len(cache) == 3 and "b" not in cache and cache.get("a") == "A"
+    assert len(cache) == 3 and "a" not in cache and cache.get("b") == "B"
+    cache["a"] = "A2"  # rebuilt: now the newest
+    assert [cache.get(k) for k in "abcd"] == ["A2", None, "C", "D"]
     assert cache.get("missing") is None
     with pytest.raises(TypeError):
         cache.get([1])  # unhashable: the callers' full check names the argument
     cache.clear()
-    assert len(cache) == 0
+    assert len(cache) == 0 and cache.get("c") is None
+    cache["e"] = "E"
+    assert cache.get("e") == "E"  # get still reads the cleared dict
 
 
 def test_changing_token_totals_keep_the_adapter_caches_bounded(monkeypatch):

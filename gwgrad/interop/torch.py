@@ -49,14 +49,13 @@ def describe(t: torch.Tensor, name: str, transpose: bool = False) -> TensorDesc:
     raise ArgumentError(name, f"expected a CUDA or CPU tensor, got a tensor on {device}")
 
 
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def current_stream(device_index: int) -> int:
-    """torch's current stream on a CUDA device (the raw query: ~10x cheaper than a Stream)."""
-    if _raw_stream is not None:
-        return _raw_stream(device_index)
+def _stream_object(device_index: int) -> int:
     return torch.cuda.current_stream(device_index).cuda_stream
+
+
+#: ``current_stream(device_index)``: torch's current stream on a CUDA device, as an address
+#: (the raw query, ~10x cheaper than a Stream object, where this torch has it).
+current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _stream_object
 
 
 def on_stream(device_index: int, stream: int):
@@ -83,11 +82,14 @@ def record_stream(t: torch.Tensor, stream: int) -> None:
         t.record_stream(torch.cuda.ExternalStream(stream, device=t.device))
 
 
-# (device index, stream, purpose) -> the eager workspace of that stream: launches on one stream
-# run in order, so one buffer serves them all (torch.empty per call cost ~3 us). The GEMMs'
-# ("kernel") and the quantizers' ("quantize") are separate: a single-launch GEMM keeps its
-# grid-barrier words (bytes 8..15) zero between launches, which a quantizer's data would break.
-_workspaces: Dict[tuple, torch.Tensor] = {}
+# (device index, stream, purpose) -> (address, bytes, tensor): the eager workspace of that
+# stream: launches on one stream run in order, so one buffer serves them all (torch.empty per
+# call cost ~3 us). The GEMMs' ("kernel") and the quantizers' ("quantize") are separate: a
+# single-launch GEMM keeps its grid-barrier words (bytes 8..15) zero between launches, which a
+# quantizer's data would break.
+_workspaces: Dict[tuple, tuple] = {}
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
+                     torch.cuda.is_current_stream_capturing)
 
 
 def workspace(device_index: int, stream: int, nbytes: int, purpose: str = "kernel") -> int:
@@ -98,15 +100,16 @@ def workspace(device_index: int, stream: int, nbytes: int, purpose: str = "kerne
     freed right after the launch is enqueued: it comes from (and stays in) the graph's private
     pool, which the replays use.
     """
-    if torch.cuda.is_current_stream_capturing():
+    if _capturing():
         with on_stream(device_index, stream):
             return torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{device_index}").data_ptr()
     key = (device_index, stream, purpose)
-    ws = _workspaces.get(key)
-    if ws is None or ws.numel() < nbytes:
-        with on_stream(device_index, stream):
-            ws = _workspaces[key] = torch.zeros(max(nbytes, 1 << 16), dtype=torch.uint8,
-                                                device=f"cuda:{device_index}")
+    held = _workspaces.get(key)
+    if held is not None and held[1] >= nbytes:
+        return held[0]
+    with on_stream(device_index, stream):
+        ws = torch.zeros(max(nbytes, 1 << 16), dtype=torch.uint8, device=f"cuda:{device_index}")
+    _workspaces[key] = (ws.data_ptr(), ws.numel(), ws)
     return ws.data_ptr()
 
 

@@ -12,9 +12,24 @@ from gwgrad.bench import token_counts
 ROWS = (("qwen3-30b-fc2", 768, 2048, 128, 131072), ("qwen3-30b-fc1", 2048, 1536, 128, 131072))
 
 
+def split_long(counts, chunk):
+    """Each count over ``chunk`` as counts of ``chunk`` tokens and a remainder: the same tokens
+    and FLOPs as more, shorter experts. What a K split of the long experts' units at ``chunk``
+    tokens could reach at best: each piece writes its own output, as each K-chunk of a split
+    tile would write (or reduce-add) its partial tile, but nothing waits for another piece."""
+    out = []
+    for c in counts:
+        while c > chunk:
+            out.append(chunk)
+            c -= chunk
+        out.append(c)
+    return out
+
+
 def variants(tokens_sum, num_experts):
-    """name -> per-expert counts: the row's uniform and zipf counts, and the zipf counts
-    without the empty experts, without the short ones, or with only the longest."""
+    """name -> per-expert counts: the row's uniform and zipf counts, the zipf counts without
+    the empty experts, without the short ones, or with only the longest, and the zipf counts
+    with the long experts split (the bound of a K split, split_long)."""
     z = token_counts(tokens_sum, num_experts, "zipf")
     return {
         "uniform": token_counts(tokens_sum, num_experts, "uniform"),
@@ -23,6 +38,9 @@ def variants(tokens_sum, num_experts):
         "zipf, experts <= 512 tokens dropped": [c for c in z if c > 512],
         "zipf, experts <= 2048 tokens dropped": [c for c in z if c > 2048],
         "zipf, experts >= 8192 tokens only": [c for c in z if c >= 8192],
+        "zipf, experts > 8192 tokens split at 8192": split_long(z, 8192),
+        "zipf, experts > 4096 tokens split at 4096": split_long(z, 4096),
+        "zipf, empty dropped, > 4096 split at 4096": split_long([c for c in z if c], 4096),
     }
 
 

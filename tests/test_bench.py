@@ -402,3 +402,11 @@ def test_zipf_anatomy_variants():
     assert min(v["zipf, experts <= 512 tokens dropped"]) > 512
     assert min(v["zipf, experts >= 8192 tokens only"]) >= 8192
     assert len(v["zipf, experts >= 8192 tokens only"]) == 3
+    for chunk in (8192, 4096):
+        split = v[f"zipf, experts > {chunk} tokens split at {chunk}"]
+        assert sum(split) == 131072 and max(split) == chunk and split.count(0) == zipf.count(0)
+        assert len(split) == 128 + sum((c - 1) // chunk for c in zipf if c > chunk)
+        assert all(c % 256 == 0 for c in split)  # the row's rounding survives the split
+    both = v["zipf, empty dropped, > 4096 split at 4096"]
+    assert 0 not in both and sum(both) == 131072 and max(both) == 4096
+    assert module.split_long([0, 5, 10, 12], 5) == [0, 5, 5, 5, 5, 5, 2]

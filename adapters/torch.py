@@ -77,9 +77,7 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     """Compute into ``out`` (dense) or the per-expert ``outs`` (discrete)."""
     if out is not None:
         target = out
-        key = (x.shape, x.stride(), x.dtype, x.device, dy.shape, dy.stride(), dy.dtype,
-               dy.device, offsets.shape, offsets.stride(), offsets.dtype, offsets.device,
-               out.shape, out.stride(), out.dtype, out.device, accumulate)
+        key = _dense_key(x, dy, offsets, out, accumulate)
     else:
         _check_discrete(outs, offsets, x, dy)
         target = _pointer_array(outs, x)
@@ -90,6 +88,13 @@ def _launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
     if plan is None:
         plan = _plans[key] = _plan(x, dy, offsets, out, outs, target, accumulate)
     _run(plan, x, dy, offsets, target, validate_offsets)
+
+
+def _dense_key(x, dy, offsets, out, accumulate) -> tuple:
+    """The plan key of a call into one stacked output."""
+    return (x.shape, x.stride(), x.dtype, x.device, dy.shape, dy.stride(), dy.dtype, dy.device,
+            offsets.shape, offsets.stride(), offsets.dtype, offsets.device, out.shape,
+            out.stride(), out.dtype, out.device, accumulate)
 
 
 def _run(plan: LaunchPlan, x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor,
@@ -295,19 +300,29 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, *,
     comes from ``gwgrad.check_errors()`` or the next call); validate_offsets: check them on
     the host first (one sync; eager only). Returns ``out`` (or the new tensor).
     """
-    if (out is None and not (accumulate or validate_offsets) and type(x) is torch.Tensor
-            and type(dy) is torch.Tensor and type(offsets) is torch.Tensor and _untraced()):
-        # The eager allocating call of a signature seen before (the key's devices are real
-        # ones: no meta tensor gets here). A miss takes the checked path below.
+    if (type(x) is torch.Tensor and type(dy) is torch.Tensor and type(offsets) is torch.Tensor
+            and not validate_offsets and _untraced()):
+        # An eager call of a signature seen before, allocating or into one stacked output:
+        # its cache entry, then the launch (the keys' devices are real ones: no meta tensor
+        # gets a hit). A miss, or an argument the keys cannot hold, takes the checked path.
+        plan = hit = None
         try:
-            hit = _allocating.get(_allocating_key(x, dy, offsets, out_dtype))
-        except TypeError:  # an unhashable out_dtype: the check below names it
-            hit = None
+            if out is None:
+                if not accumulate:
+                    hit = _allocating.get(_allocating_key(x, dy, offsets, out_dtype))
+            elif type(out) is torch.Tensor and (out_dtype is None or out_dtype == out.dtype):
+                plan = _plans.get(_dense_key(x, dy, offsets, out, accumulate))
+        except TypeError:  # unhashable out_dtype or accumulate: the checks below name them
+            pass
         if hit is not None:
-            plan, template = hit
-            result = _empty_like(template)
-            _run(plan, x, dy, offsets, result)
+            result = _empty_like(hit[1])
+            _run(hit[0], x, dy, offsets, result)
             return result
+        if plan is not None:
+            _run(plan, x, dy, offsets, out)
+            return out
+    if accumulate not in (False, True):
+        raise ArgumentError("accumulate", f"expected a bool, got {accumulate!r}")
     if accumulate and out is None:
         raise ArgumentError("out", "expected an initialized output to accumulate into "
                                    "(accumulate=True adds to it), got None")

@@ -106,15 +106,29 @@ def test_allocating_calls_reuse_their_plan():
 
 
 def test_into_and_accumulate():
+    """Into one stacked output, overwriting and adding; the repeated calls take the cached
+    plan (wgrad's per-call path), with the same checks for what the cache cannot vouch for."""
     x, dy, offsets = inputs()
     want = reference(x, dy, offsets)
     out = torch.full((4, HIDDEN, INTER), float("nan"))
-    assert gwt.wgrad(x, dy, offsets, out=out) is out
-    assert rel_err(out, want) < 1e-6
+    for _ in range(2):  # the first call builds the plan, the second finds it
+        out.fill_(float("nan"))
+        assert gwt.wgrad(x, dy, offsets, out=out) is out
+        assert rel_err(out, want) < 1e-6
     base = torch.randn(4, HIDDEN, INTER)
-    out.copy_(base)
-    gwt.wgrad(x, dy, offsets, out=out, accumulate=True)
-    assert rel_err(out, want + base.double()) < 1e-6
+    for _ in range(2):
+        out.copy_(base)
+        assert gwt.wgrad(x, dy, offsets, out=out, accumulate=True) is out
+        assert rel_err(out, want + base.double()) < 1e-6
+    assert gwt.wgrad(x, dy, offsets, out=out, out_dtype=torch.float32) is out
+    with pytest.raises(ValueError, match="out_dtype"):
+        gwt.wgrad(x, dy, offsets, out=out, out_dtype=torch.bfloat16)
+    for bad in ([1], 2, None):
+        with pytest.raises(ValueError, match="accumulate"):
+            gwt.wgrad(x, dy, offsets, out=out, accumulate=bad)
+    other = torch.full((4, INTER, HIDDEN), float("nan")).transpose(1, 2)  # not a hit
+    with pytest.raises(ValueError, match="out"):
+        gwt.wgrad(x, dy, offsets, out=other)
 
 
 def test_discrete_outputs_and_accumulate():

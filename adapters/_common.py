@@ -21,6 +21,7 @@ NAMES = {
     "wgrad_tensor": "out (wgrad_tensor)",
     "wgrad_ptrs": "out (the per-expert outputs)",
     "wgrad_dtype": "out_dtype (wgrad_dtype)",
+    "accumulate_on_output": "accumulate (accumulate_on_output)",
     "sfa_tensor": "x_scale (sfa_tensor)",
     "sfb_tensor": "dy_scale (sfb_tensor)",
     "global_scale_a": "x_global_scale (global_scale_a)",
@@ -54,6 +55,16 @@ FP8_DOC = """FP8 weight gradient with FP32 scales: for every expert e,
     128 tokens of an expert, experts' rows in order (expert e's j-th block is row
     ``sum_{i<e} ceil(count_i/128) + j``; R at least that total: checked on the device).
     x_global_scale / dy_global_scale: float32 (num_experts,), both or neither."""
+
+
+def check_accumulate(accumulate, out) -> None:
+    """``accumulate`` as the core takes ``accumulate_on_output``: a bool, and True only with
+    an output to add into; named as the adapters name them."""
+    if not isinstance(accumulate, bool):
+        raise ArgumentError("accumulate", f"expected a bool, got {accumulate!r}")
+    if accumulate and out is None:
+        raise ArgumentError("out", "expected an initialized output to accumulate into "
+                                   "(accumulate=True adds to it), got None")
 
 
 @contextlib.contextmanager

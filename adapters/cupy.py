@@ -51,7 +51,7 @@ from gwgrad.plan import LaunchPlan, PlanCache, plan_for
 from gwgrad.tensors import TensorDesc, from_pointer
 
 from ._common import (FP8_DOC, FP8_RECIPES, NAMES, QUANTIZE_NAMES, adapter_names,
-                      experts_hidden_intermediate)
+                      check_accumulate, experts_hidden_intermediate)
 
 __all__ = ["wgrad", "wgrad_fp8", "quantize", "to_bfloat16_bits", "from_bfloat16_bits"]
 
@@ -191,9 +191,7 @@ def wgrad(x: Any, dy: Any, offsets: Any, *, out: Union[Any, Sequence[Any], None]
     bits = dtype is not None
     if bits and as_dtype(dtype, "dtype") != DType.BFLOAT16:
         raise ArgumentError("dtype", f"expected None or 'bfloat16', got {dtype!r}")
-    if accumulate and out is None:
-        raise ArgumentError("out", "expected an initialized output to accumulate into "
-                                   "(accumulate=True adds to it), got None")
+    check_accumulate(accumulate, out)
     want = _output_dtype(out_dtype)
     try:
         qx, qdy, qoff = (_quick(x, "a_tensor"), _quick(dy, "b_tensor"),
@@ -328,9 +326,7 @@ def wgrad_fp8(x: Any, dy: Any, offsets: Any, x_scale: Any, dy_scale: Any, *, sca
     if scale_recipe not in FP8_RECIPES:
         raise ArgumentError("scale_recipe", f"expected one of {sorted(FP8_RECIPES)}, got "
                                             f"{scale_recipe!r}")
-    if accumulate and out is None:
-        raise ArgumentError("out", "expected an initialized output to accumulate into "
-                                   "(accumulate=True adds to it), got None")
+    check_accumulate(accumulate, out)
     fx, fdy = fp8 if isinstance(fp8, (tuple, list)) else (fp8, fp8)
     want = _output_dtype(out_dtype)
     with adapter_names():

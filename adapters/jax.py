@@ -67,7 +67,8 @@ from gwgrad.spec import StaticSpec
 from gwgrad.tensors import TensorDesc
 from gwgrad.validation import build_spec, scale_capacity
 
-from ._common import FP8_DOC, FP8_RECIPES, NAMES, adapter_names, experts_hidden_intermediate
+from ._common import (FP8_DOC, FP8_RECIPES, NAMES, adapter_names, check_accumulate,
+                      experts_hidden_intermediate)
 
 __all__ = ["wgrad", "wgrad_fp8", "reference_wgrad", "reference_wgrad_fp8", "quantize",
            "reference_quantize", "grouped_linear", "grouped_mm"]
@@ -294,9 +295,7 @@ def wgrad(x, dy, offsets, *, out=None, accumulate: bool = False, out_dtype=None)
     ``out`` (XLA aliases the buffer; donate ``out`` to the enclosing jit to avoid a copy).
     Works under ``jax.jit`` (and eagerly), on CUDA and CPU; no host synchronization.
     """
-    if accumulate and out is None:
-        raise ValueError("out: expected an initialized output to accumulate into "
-                         "(accumulate=True adds to it), got None")
+    check_accumulate(accumulate, out)
     if out is not None and not accumulate:
         raise ValueError("out: expected None unless accumulate=True (JAX arrays are "
                          "immutable: the result is returned), got an array")
@@ -555,9 +554,7 @@ _register_lowerings(_wgrad_fp8_p, _fp8_cpu_lowering, _fp8_cuda_lowering)
 def wgrad_fp8(xt, dyt, offsets, x_scale, dy_scale, *, scale_recipe: str, out=None,
               accumulate: bool = False, out_dtype=None, x_global_scale=None,
               dy_global_scale=None):
-    if accumulate and out is None:
-        raise ArgumentError("out", "expected an initialized output to accumulate into "
-                                   "(accumulate=True adds to it), got None")
+    check_accumulate(accumulate, out)
     if out is not None and not accumulate:
         raise ArgumentError("out", "expected None unless accumulate=True (JAX arrays are "
                                    "immutable: the result is returned), got an array")

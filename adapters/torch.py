@@ -55,7 +55,7 @@ from gwgrad.interop import torch as tinterop
 from gwgrad.plan import LaunchPlan, PlanCache, plan_for
 
 from ._common import (FP8_DOC, FP8_RECIPES, NAMES, QUANTIZE_NAMES, adapter_names,
-                      experts_hidden_intermediate)
+                      check_accumulate, experts_hidden_intermediate)
 
 __all__ = ["wgrad", "wgrad_fp8", "quantize", "GroupedExpertLinear", "grouped_expert_linear",
            "grouped_mm_reference"]
@@ -301,7 +301,7 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, *,
     the host first (one sync; eager only). Returns ``out`` (or the new tensor).
     """
     if (type(x) is torch.Tensor and type(dy) is torch.Tensor and type(offsets) is torch.Tensor
-            and not validate_offsets and _untraced()):
+            and type(accumulate) is bool and not validate_offsets and _untraced()):
         # An eager call of a signature seen before, allocating or into one stacked output:
         # its cache entry, then the launch (the keys' devices are real ones: no meta tensor
         # gets a hit). A miss, or an argument the keys cannot hold, takes the checked path.
@@ -321,11 +321,7 @@ def wgrad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, *,
         if plan is not None:
             _run(plan, x, dy, offsets, out)
             return out
-    if accumulate not in (False, True):
-        raise ArgumentError("accumulate", f"expected a bool, got {accumulate!r}")
-    if accumulate and out is None:
-        raise ArgumentError("out", "expected an initialized output to accumulate into "
-                                   "(accumulate=True adds to it), got None")
+    check_accumulate(accumulate, out)
     if out_dtype is not None and out_dtype not in _OUT_DTYPES:
         raise ArgumentError("out_dtype", f"expected None, torch.bfloat16, torch.float16 or "
                                          f"torch.float32, got {out_dtype}")
@@ -428,9 +424,7 @@ def wgrad_fp8(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, x_scale:
               x_global_scale: Optional[torch.Tensor] = None,
               dy_global_scale: Optional[torch.Tensor] = None,
               validate_offsets: bool = False) -> Union[torch.Tensor, List[torch.Tensor]]:
-    if accumulate and out is None:
-        raise ArgumentError("out", "expected an initialized output to accumulate into "
-                                   "(accumulate=True adds to it), got None")
+    check_accumulate(accumulate, out)
     if out_dtype is not None and out_dtype not in _OUT_DTYPES:
         raise ArgumentError("out_dtype", f"expected None, torch.bfloat16, torch.float16 or "
                                          f"torch.float32, got {out_dtype}")

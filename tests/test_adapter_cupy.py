@@ -106,6 +106,8 @@ def test_errors_name_the_adapter_arguments(rng):
         gwc.wgrad(x, dy, offsets.astype(np.int64), dtype="bfloat16")
     with pytest.raises(ValueError, match=r"^out: .*accumulate"):
         gwc.wgrad(x, dy, offsets, dtype="bfloat16", accumulate=True)
+    with pytest.raises(ValueError, match=r"^accumulate: expected a bool, got \[1\]"):
+        gwc.wgrad(x, dy, offsets, dtype="bfloat16", accumulate=[1])  # was a TypeError
     with pytest.raises(ValueError, match=r"^out \(wgrad_tensor\): .*shape"):
         gwc.wgrad(x, dy, offsets, dtype="bfloat16", out=np.zeros((4, HIDDEN, INTER + 8), np.float32))
     with pytest.raises(ValueError, match=r"^out_dtype: "):

@@ -118,6 +118,8 @@ def test_errors_name_the_adapter_arguments(rng):
         gwj.wgrad(x, dy[:, :-1], offsets)
     with pytest.raises(ValueError, match=r"^out: .*accumulate"):
         gwj.wgrad(x, dy, offsets, accumulate=True)
+    with pytest.raises(ValueError, match=r"^accumulate: expected a bool, got 1"):
+        gwj.wgrad(x, dy, offsets, out=jnp.zeros((4, HIDDEN, INTER)), accumulate=1)
     with pytest.raises(ValueError, match=r"^out: expected None unless accumulate"):
         gwj.wgrad(x, dy, offsets, out=jnp.zeros((4, HIDDEN, INTER)))
     with pytest.raises(ValueError, match=r"^out: expected shape"):
@@ -456,6 +458,8 @@ def test_fp8_errors_name_the_adapter_arguments(rng):
         call(x_global_scale=jnp.ones(5), dy_global_scale=jnp.ones(4))
     with pytest.raises(ValueError, match=r"^out: .*accumulate"):
         call(accumulate=True)
+    with pytest.raises(ValueError, match=r"^accumulate: expected a bool"):
+        call(accumulate="yes")
     with pytest.raises(ValueError, match=r"^out: expected None unless accumulate"):
         call(out=jnp.zeros((4, FP8_HIDDEN, FP8_INTER)))
     with pytest.raises(ValueError, match=r"^out: expected shape"):

@@ -123,9 +123,11 @@ def test_into_and_accumulate():
     assert gwt.wgrad(x, dy, offsets, out=out, out_dtype=torch.float32) is out
     with pytest.raises(ValueError, match="out_dtype"):
         gwt.wgrad(x, dy, offsets, out=out, out_dtype=torch.bfloat16)
-    for bad in ([1], 2, None):
-        with pytest.raises(ValueError, match="accumulate"):
+    for bad in ([1], 1, 0, None):  # 1 and 0 hash like the cached plans' True and False
+        with pytest.raises(ValueError, match="accumulate: expected a bool"):
             gwt.wgrad(x, dy, offsets, out=out, accumulate=bad)
+    with pytest.raises(ValueError, match="accumulate: expected a bool"):
+        gwt.wgrad(x, dy, offsets, accumulate=0)  # allocating: the cached plan's key has False
     other = torch.full((4, INTER, HIDDEN), float("nan")).transpose(1, 2)  # not a hit
     with pytest.raises(ValueError, match="out"):
         gwt.wgrad(x, dy, offsets, out=other)

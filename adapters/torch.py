@@ -137,7 +137,9 @@ def _allocate_and_launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tenso
     # The plan that call found (its output is always a new contiguous tensor).
     plan = _plans.get(key[:12] + (result.shape, result.stride(), result.dtype, result.device,
                                   False))
-    if plan is not None:  # (None only if already evicted by other signatures)
+    # (None only if already evicted by other signatures.) Not while a CUDA graph is captured:
+    # the template's element would come from the graph's private pool and keep its block.
+    if plan is not None and not (result.is_cuda and tinterop.capturing()):
         _allocating[key] = (plan, result.new_empty(()).expand(result.shape))
     return result
 

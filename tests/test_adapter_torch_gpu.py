@@ -106,6 +106,29 @@ def test_cuda_graph_replay_reads_new_offsets():
         assert rel_err(fresh, want) < 1e-5
 
 
+def test_allocating_call_first_seen_in_a_capture_caches_no_template():
+    """wgrad()'s allocating fast path keeps a one-element output template per signature; a
+    signature first seen during CUDA-graph capture gets none (its element would come from the
+    graph's private pool and pin its block): the capture and its replays work, and the next
+    eager call of that signature makes the entry."""
+    x, dy, offsets = inputs()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the plan (compiled) for a bfloat16 output, no template
+        gwt.wgrad(x, dy, offsets, out=poisoned(5, HIDDEN, INTER, dtype=torch.bfloat16))
+    torch.cuda.current_stream().wait_stream(side)
+    gwt._allocating.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        fresh = gwt.wgrad(x, dy, offsets)
+    assert len(gwt._allocating) == 0
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(fresh, reference(x, dy, offsets)) < 1e-2
+    eager = gwt.wgrad(x, dy, offsets)
+    assert len(gwt._allocating) == 1 and rel_err(eager, reference(x, dy, offsets)) < 1e-2
+
+
 def test_runs_on_the_current_stream():
     x, dy, offsets = inputs()
     stream = torch.cuda.Stream()

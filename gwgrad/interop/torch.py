@@ -17,8 +17,8 @@ from ..dtypes import DType
 from ..errors import ArgumentError
 from ..tensors import TensorDesc
 
-__all__ = ["DTYPES", "native_dtype", "describe", "current_stream", "on_stream", "empty",
-           "record_stream", "workspace", "stacked_pointer_array", "pointer_array"]
+__all__ = ["DTYPES", "native_dtype", "describe", "current_stream", "capturing", "on_stream",
+           "empty", "record_stream", "workspace", "stacked_pointer_array", "pointer_array"]
 
 #: torch dtype -> DType, for every element type both know.
 DTYPES: Dict[torch.dtype, DType] = {
@@ -88,8 +88,9 @@ def record_stream(t: torch.Tensor, stream: int) -> None:
 # single-launch GEMM keeps its grid-barrier words (bytes 8..15) zero between launches, which a
 # quantizer's data would break.
 _workspaces: Dict[tuple, tuple] = {}
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
-                     torch.cuda.is_current_stream_capturing)
+#: ``capturing()``: whether torch's current stream is being captured into a CUDA graph.
+capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
+                    torch.cuda.is_current_stream_capturing)
 
 
 def workspace(device_index: int, stream: int, nbytes: int, purpose: str = "kernel") -> int:
@@ -100,7 +101,7 @@ def workspace(device_index: int, stream: int, nbytes: int, purpose: str = "kerne
     freed right after the launch is enqueued: it comes from (and stays in) the graph's private
     pool, which the replays use.
     """
-    if _capturing():
+    if capturing():
         with on_stream(device_index, stream):
             return torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{device_index}").data_ptr()
     key = (device_index, stream, purpose)
@@ -138,12 +139,12 @@ def pointer_array(outs: Sequence[torch.Tensor], device: torch.device, stream: in
     """
     addresses = tuple(o.data_ptr() for o in outs)
     key = (device.index, addresses)
-    capturing = torch.cuda.is_current_stream_capturing()
+    in_capture = capturing()
     with _pointer_arrays_lock:  # threads share the cache (eviction iterates over it)
         entry = _pointer_arrays.get(key)
         if entry is None:
             host = torch.tensor(addresses, dtype=torch.int64).pin_memory()
-            entry = [host.to(device, non_blocking=True), host, capturing, stream]
+            entry = [host.to(device, non_blocking=True), host, in_capture, stream]
             _pointer_arrays[key] = entry
             if len(_pointer_arrays) > _MAX_POINTER_ARRAYS:
                 for old, (_, _, kept, _) in _pointer_arrays.items():
@@ -152,7 +153,7 @@ def pointer_array(outs: Sequence[torch.Tensor], device: torch.device, stream: in
                         break
         else:
             _pointer_arrays.move_to_end(key)
-            entry[2] = entry[2] or capturing
-            if entry[3] != stream and not capturing:  # freed on eviction: not before this use
+            entry[2] = entry[2] or in_capture
+            if entry[3] != stream and not in_capture:  # freed on eviction: not before this use
                 entry[0].record_stream(torch.cuda.ExternalStream(stream, device=device))
     return entry[0]

@@ -410,3 +410,12 @@ def test_zipf_anatomy_variants():
     both = v["zipf, empty dropped, > 4096 split at 4096"]
     assert 0 not in both and sum(both) == 131072 and max(both) == 4096
     assert module.split_long([0, 5, 10, 12], 5) == [0, 5, 5, 5, 5, 5, 2]
+    # The schedule model: 64-token K-tiles per unit, longest first, greedy on `slots`.
+    assert module.schedule_bound([64] * 4, 1, slots=2) == 1.0
+    assert module.schedule_bound([64] * 3, 1, slots=2) == 2 / 1.5  # a half-empty last wave
+    assert module.schedule_bound([128, 64, 64], 1, slots=2) == 1.0  # the short ones pair up
+    assert module.schedule_bound([0, 0], 4) == 1.0
+    assert module.schedule_bound([640, 64], 1, slots=2) == 10 / 5.5  # one long unit
+    assert module.schedule_bound([640, 64], 2, slots=2) == 1.0  # two: they pair up
+    full = module.schedule_bound(zipf, 96)  # qwen3-30b-fc2's tiles: the full row keeps busy
+    assert 1.0 <= full < 1.01 < module.schedule_bound(v["zipf, experts >= 8192 tokens only"], 96)

@@ -133,14 +133,13 @@ def _allocate_and_launch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tenso
     dtype = torch.bfloat16 if out_dtype is None else out_dtype
     result = _empty_output(x, dy, offsets, dtype)
     _launch(x, dy, offsets, result, None, False)
-    key = _allocating_key(x, dy, offsets, out_dtype)
-    # The plan that call found (its output is always a new contiguous tensor).
-    plan = _plans.get(key[:12] + (result.shape, result.stride(), result.dtype, result.device,
-                                  False))
-    # (None only if already evicted by other signatures.) Not while a CUDA graph is captured:
-    # the template's element would come from the graph's private pool and keep its block.
+    # The plan that call found (its output is always a new contiguous tensor); None only if
+    # already evicted by other signatures. No entry while a CUDA graph is captured: the
+    # template's element would come from the graph's private pool and keep its block.
+    plan = _plans.get(_dense_key(x, dy, offsets, result, False))
     if plan is not None and not (result.is_cuda and tinterop.capturing()):
-        _allocating[key] = (plan, result.new_empty(()).expand(result.shape))
+        _allocating[_allocating_key(x, dy, offsets, out_dtype)] = (
+            plan, result.new_empty(()).expand(result.shape))
     return result
 
 

@@ -4,10 +4,9 @@ dense GEMM of its own FLOPs. Diagnostic for docs/PERF_NOTES.md (issue #12).
 
 Usage (GPU host): python scripts/zipf_anatomy.py out.json"""
 import json
-import statistics
 import sys
 
-from gwgrad.bench import token_counts
+from gwgrad.bench import time_interleaved, token_counts
 
 ROWS = (("qwen3-30b-fc2", 768, 2048, 128, 131072), ("qwen3-30b-fc1", 2048, 1536, 128, 131072))
 
@@ -64,26 +63,6 @@ def schedule_bound(counts, tiles_per_expert, slots=132):
     return max(free) / (sum(units) / slots)
 
 
-def timed(fns, rounds=15, reps=3):
-    import torch
-
-    ev = {k: [] for k in fns}
-    for f in fns.values():
-        f()
-        f()
-    torch.cuda.synchronize()
-    for _ in range(rounds):
-        for k, f in fns.items():
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(reps):
-                f()
-            e.record()
-            torch.cuda.synchronize()
-            ev[k].append(s.elapsed_time(e) / reps)
-    return {k: statistics.median(v) for k, v in ev.items()}
-
-
 def case(hidden, inter, counts):
     import torch
 
@@ -111,7 +90,7 @@ def main(path):
     for name, hidden, inter, experts, tokens in ROWS:
         for vname, counts in variants(tokens, experts).items():
             run, dense, flops = case(hidden, inter, counts)
-            ms = timed({"gwgrad": run, "dense": dense})
+            ms = time_interleaved({"gwgrad": run, "dense": dense}, rounds=15)
             row = {"row": name, "variant": vname, "experts": len(counts), "tokens": sum(counts),
                    "gwgrad_ms": ms["gwgrad"], "dense_ms": ms["dense"],
                    "gwgrad_tflops": flops / ms["gwgrad"] / 1e9,

@@ -55,6 +55,30 @@ def test_per_call_us_batches_without_sync_inside():
     assert min(slow) >= 900
 
 
+def test_interleaved_calls_take_turns_and_a_failing_one_is_dropped():
+    events, errors = [], []
+    boom = {"n": 0}
+
+    def flaky():
+        boom["n"] += 1
+        if boom["n"] > 3:  # fails in its second timed batch
+            raise RuntimeError("flaky")
+        events.append("f")
+
+    calls = {"a": (lambda: events.append("a"), lambda: events.append("sync a")),
+             "b": (lambda: events.append("b"), lambda: events.append("sync b")),
+             "f": (flaky, lambda: None)}
+    samples = ba.interleaved_per_call_us(calls, batch=2, batches=3, warmup=1,
+                                         errors=lambda name, exc: errors.append((name, exc)))
+    assert set(samples) == {"a", "b"} and all(len(v) == 3 for v in samples.values())
+    assert [name for name, _ in errors] == ["f"] and str(errors[0][1]) == "flaky"
+    timed = [e for e in events[5:] if e != "f"]  # after the warm-ups: a, sync a, b, sync b, f
+    assert timed == ["a", "a", "sync a", "b", "b", "sync b"] * 3
+    with pytest.raises(RuntimeError, match="flaky"):  # no error callback: re-raised
+        boom["n"] = 0
+        ba.interleaved_per_call_us({"f": (flaky, lambda: None)}, batch=2, batches=3, warmup=1)
+
+
 def test_host_overhead_wiring_on_the_cpu():
     pytest.importorskip("torch")
     results = {"overhead_us": {}, "overhead": {}, "skipped": [], "errors": [], "kernel": []}

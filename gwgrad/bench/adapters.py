@@ -13,7 +13,8 @@ Three tables, each step guarded (an error or a missing framework is recorded, ne
    (experts, hidden, intermediate)), same inputs, both jitted, wall clock; results compared.
 3. Host overhead per cached call (``--skip-kernel`` runs only this; well under 2 minutes):
    8 experts, hidden = intermediate = 256, 2048 tokens; wall clock over batches of ~2000
-   calls with no synchronization inside a batch, median over the batches. The contract's
+   calls with no synchronization inside a batch, the entries taking turns batch by batch,
+   median over the batches. The contract's
    wrapper (default arguments, ``wgrad_tensor`` given, a different offsets tensor every
    call, as a training step makes one per step; also with the same one), the class's
    ``execute``, the torch adapter (``out=`` and allocating), the ``torch.ops.gwgrad`` op,
@@ -305,16 +306,45 @@ def per_call_us(fn: Callable[[], object], sync: Callable[[], None], batch: int =
                 batches: int = 5, warmup: int = 20) -> List[float]:
     """Wall-clock microseconds per call of ``batch`` back-to-back calls, once per batch: no
     synchronization inside a batch (only after it, outside the timing)."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    samples = []
+    return interleaved_per_call_us({"fn": (fn, sync)}, batch, batches, warmup)["fn"]
+
+
+def interleaved_per_call_us(calls: Dict[str, tuple], batch: int = 2000, batches: int = 5,
+                            warmup: int = 20,
+                            errors: Optional[Callable[[str, BaseException], None]] = None
+                            ) -> Dict[str, List[float]]:
+    """``per_call_us`` for several calls at once, taking turns: round r times batch r of every
+    call, one after another, so that a drift of the host's state (clocks, another tenant)
+    lands on all of them alike instead of on whichever ran last. ``calls``: name -> (fn,
+    sync). A call that raises is dropped from the later rounds and reported to ``errors``
+    (re-raised when None)."""
+    live = dict(calls)
+
+    def failed(name, exc):
+        live.pop(name, None)
+        if errors is None:
+            raise exc
+        errors(name, exc)
+
+    for name, (fn, sync) in list(live.items()):
+        try:
+            for _ in range(warmup):
+                fn()
+            sync()
+        except Exception as exc:  # noqa: BLE001 - reported, the others go on
+            failed(name, exc)
+    samples: Dict[str, List[float]] = {name: [] for name in live}
     for _ in range(batches):
-        start = time.perf_counter()
-        for _ in range(batch):
-            fn()
-        samples.append((time.perf_counter() - start) / batch * 1e6)
-        sync()
+        for name, (fn, sync) in list(live.items()):
+            try:
+                start = time.perf_counter()
+                for _ in range(batch):
+                    fn()
+                samples[name].append((time.perf_counter() - start) / batch * 1e6)
+                sync()
+            except Exception as exc:  # noqa: BLE001
+                samples.pop(name)
+                failed(name, exc)
     return samples
 
 
@@ -376,9 +406,10 @@ def overhead_calls(p: Problem, frameworks: List[str]) -> Dict[str, Callable[[], 
 
 def host_overhead(results: Dict, frameworks: List[str], batch: int, batches: int,
                   step_s: int, device: str = "cuda", problem: Optional[Dict] = None):
-    """Median host time to enqueue one cached call (small problem; batches without a sync).
-    ``device="cpu"`` runs the same calls on the reference backend (a check of this code: its
-    figures are not host overheads), without CuPy, JAX and the GPU floor."""
+    """Median host time to enqueue one cached call (small problem; batches without a sync;
+    the entries take turns batch by batch, ``interleaved_per_call_us``). ``device="cpu"``
+    runs the same calls on the reference backend (a check of this code: its figures are not
+    host overheads), without CuPy, JAX and the GPU floor."""
     import torch
 
     shape = problem or OVERHEAD_PROBLEM
@@ -389,36 +420,56 @@ def host_overhead(results: Dict, frameworks: List[str], batch: int, batches: int
         frameworks = [f for f in frameworks if f == "torch"]
     over, detail = results["overhead_us"], results["overhead"]
     results["overhead_settings"] = {**shape, "batch": batch, "batches": batches,
-                                    "offsets_pool": OFFSETS_POOL,
+                                    "offsets_pool": OFFSETS_POOL, "interleaved": True,
                                     "targets_us": OVERHEAD_TARGETS_US}
+    device_sync = torch.cuda.synchronize if on_gpu else (lambda: None)
 
-    def measure(name, fn, sync=torch.cuda.synchronize if on_gpu else (lambda: None)):
-        samples = per_call_us(fn, sync, batch, batches)
-        over[name] = statistics.median(samples)
-        entry = detail[name] = {"us": over[name], "samples_us": samples}
-        target = OVERHEAD_TARGET_OF.get(name)
-        if target:
-            entry["target_us"] = OVERHEAD_TARGETS_US[target]
-            entry["target_met"] = over[name] <= OVERHEAD_TARGETS_US[target]
-        print(f"host overhead {name:<22} {over[name]:8.2f} us", flush=True)
-
+    # Each call is made (its first use compiles or plans) in its own guarded step, then all
+    # are timed together, taking turns.
+    calls: Dict[str, tuple] = {}
     for name, make in overhead_calls(p, frameworks).items():
         if name == "cupy_wgrad_out" and _import("cupy") is None:
             results["skipped"].append("cupy_wgrad_out: CuPy is not installed")
             continue
-        guarded(results, f"overhead: {name}", step_s, lambda: measure(name, make()))
+        fn = guarded(results, f"overhead: {name}", step_s, make)
+        if fn is not None:
+            calls[name] = (fn, device_sync)
     if "jax" in frameworks:
         if _import("jax") is None:
             results["skipped"].append("jax_jit_call: JAX is not installed")
         else:
-            guarded(results, "overhead: jax_jit_call", step_s, lambda: _jax_overhead(p, measure))
+            made = guarded(results, "overhead: jax_jit_call", step_s, lambda: _jax_call(p))
+            if made is not None:
+                calls["jax_jit_call"] = made
+
+    def error(name, exc):
+        results["errors"].append({"step": f"overhead: {name}",
+                                  "error": f"{type(exc).__name__}: {exc}",
+                                  "trace": traceback.format_exc()[-2000:]})
+        print(f"[overhead: {name}] failed: {type(exc).__name__}: {exc}", flush=True)
+
+    def measure():
+        samples = interleaved_per_call_us(calls, batch, batches, errors=error)
+        for name in calls:  # the makers' order, not the order of completion
+            if name not in samples:
+                continue
+            over[name] = statistics.median(samples[name])
+            entry = detail[name] = {"us": over[name], "samples_us": samples[name]}
+            target = OVERHEAD_TARGET_OF.get(name)
+            if target:
+                entry["target_us"] = OVERHEAD_TARGETS_US[target]
+                entry["target_met"] = over[name] <= OVERHEAD_TARGETS_US[target]
+            print(f"host overhead {name:<22} {over[name]:8.2f} us", flush=True)
+
+    guarded(results, "overhead: interleaved timing", step_s * max(1, len(calls) // 2), measure)
     if on_gpu:
         guarded(results, "overhead: gpu floor", step_s, lambda: _gpu_floor(p, results))
         guarded(results, "overhead: gpu floor, two launches", step_s,
                 lambda: _gpu_floor(p, results, launches=2))
 
 
-def _jax_overhead(p: Problem, measure):
+def _jax_call(p: Problem) -> tuple:
+    """(call, sync) of the jitted JAX adapter, a different offsets array each call."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -432,11 +483,12 @@ def _jax_overhead(p: Problem, measure):
     nxt = itertools.cycle(pool).__next__
     f = jax.jit(gwj.wgrad)
     last = [f(jx, jdy, pool[0])]
+    last[0].block_until_ready()
 
     def call():  # keep the newest result: XLA runs in order, so it finishes last
         last[0] = f(jx, jdy, nxt())
 
-    measure("jax_jit_call", call, sync=lambda: last[0].block_until_ready())
+    return call, lambda: last[0].block_until_ready()
 
 
 def _gpu_floor(p: Problem, results: Dict, calls: int = 100, launches: int = 0):
@@ -534,7 +586,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--frameworks", default="torch,cupy,jax")
     parser.add_argument("--overhead-batch", type=int, default=2000,
                         help="calls per timed batch (host overhead)")
-    parser.add_argument("--overhead-batches", type=int, default=5,
+    parser.add_argument("--overhead-batches", type=int, default=9,
                         help="timed batches per entry; the median is reported")
     parser.add_argument("--step-timeout", type=int, default=240, help="seconds per step")
     parser.add_argument("--skip-kernel", action="store_true")

@@ -200,6 +200,19 @@ class KernelChecks:
         run_and_check(spec, [100, 0, 333], torch.float32)
 
 
+    @pytest.mark.parametrize("which", [0, 1], ids=["big_tile", "small_tile"])
+    def test_one_cta_tile_per_output(self, which):
+        # The whole output within one CTA tile: with a CTA pair (or quad), the peers' parts
+        # lie past the output and must store nothing. Accumulating into FP32 shows a tile
+        # stored twice (it would be added twice); the plain store is NaN-poisoned.
+        tiling = self.TILINGS[which]
+        (tm, tn) = tiling[0] or (128, 128)  # the CTA's tile (a unit is the cluster's)
+        hidden, inter = min(tm, 120), min(tn, 120)
+        for out_dtype, acc in ((torch.float32, True), (torch.bfloat16, False)):
+            spec = make_spec(self.ARCH, hidden, inter, 5, out=out_dtype, acc=acc, tiling=tiling)
+            run_and_check(spec, [300, 0, 64, 1, 500], out_dtype)
+
+
     def test_tokens_sum_changes_without_recompiling(self):
         spec = make_spec(self.ARCH, 256, 256, 3)
         run_and_check(spec, [64, 64, 64], torch.bfloat16)

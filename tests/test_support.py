@@ -144,6 +144,8 @@ def test_the_sm90_default_epilogue_buffer_sets_follow_the_output_size(hidden, in
     (1536, 1024, 256, 65536, "float32", ((128, 128), (1, 2))),    # FP32: a pair sharing A
     (1536, 1024, 256, 65536, "accumulate32", ((128, 128), (1, 2))),
     (1536, 1024, 256, 65536, "accumulate", ((128, 128), (1, 1))),  # into BF16: not measured
+    (192, 128, 16, 2048, "accumulate32", ((128, 128), (1, 1))),   # one column tile: no pair
+    (192, 136, 16, 2048, "accumulate32", ((128, 128), (1, 2))),   # two (the second partial)
     (1536, 1024, 256, 131072, "bfloat16", ((128, 128), (1, 1))),  # 512 tokens per expert
     (1536, 1024, 256, 131072, "float32", ((128, 128), (1, 1))),
     (2048, 2816, 64, 16384, "bfloat16", ((128, 128), (1, 1))),    # 256 tokens, 352 tiles
@@ -152,8 +154,8 @@ def test_the_sm90_default_epilogue_buffer_sets_follow_the_output_size(hidden, in
 ])
 def test_the_sm90_tiling_for_short_experts(hidden, intermediate, experts, tokens, out, want):
     """SM90 BF16: outputs of <= 128 128x128 tiles per expert with <= 384 tokens per expert on
-    average take the cooperative 128x256 tile (16-bit outputs) or a 1x2 cluster (FP32 outputs)
-    (measured: docs/PERF_NOTES.md); a tiling the caller set stays, and the other backends keep
+    average take the cooperative 128x256 tile (16-bit outputs) or a 1x2 cluster (FP32 outputs
+    of more than one 128-column tile) (measured: docs/PERF_NOTES.md); a tiling the caller set stays, and the other backends keep
     their defaults."""
     pytest.importorskip("cutlass")
     from gwgrad.backends import finalize_spec

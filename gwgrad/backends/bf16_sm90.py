@@ -51,9 +51,11 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
             return None
         if spec.wgrad_dtype.itemsize == 2 and not spec.accumulate:
             return (128, 256), (1, 1)
-        if spec.wgrad_dtype.itemsize == 4:
+        if spec.wgrad_dtype.itemsize == 4 and spec.intermediate > 128:
             return (128, 128), (1, 2)
-        return None  # accumulating into 16 bits: not measured
+        # Accumulating into 16 bits: not measured. An output of one 128-column tile: the
+        # pair's second CTA would have no columns of its own (it computes and stores nothing).
+        return None
 
     def default_tuning(self, spec: StaticSpec):
         # Bands of 16 m-tiles (L2 reuse of the K panels); epilogue sub-tiles of 64 columns for

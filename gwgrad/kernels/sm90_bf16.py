@@ -49,8 +49,10 @@ column peers). The cluster's CTAs must walk the same units: the leader (rank 0) 
 from the atomic counter, as a 1x1 CTA does, and hands it to its peers through a small
 mailbox in their shared memory (st.async completing their barrier; they acknowledge on the
 leader's: cluster_next_unit), one unit ahead of use; the grid is the resident clusters. A
-part of a unit past the output (an odd tile count) is loaded as zeros and stored nowhere, so
-the cluster stays in step.
+CTA whose part of a unit lies past the output (an odd tile count, or a single CTA tile along
+the pair) computes it, so that the cluster stays in step, and stores nothing (its tile
+coordinate is checked against the output's CTA tiles: with a single tile along the pair the
+tile mode has one element and the coordinate would alias the first tile).
 
 Pipelines: `ab` (TMA -> WGMMA, mbarriers with transaction counts), `sched` (unit ids, producer
 warp -> all consumer threads), and the TMA store of the epilogue (bulk async groups).
@@ -175,6 +177,9 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         self.cluster_mn = (cfg.cluster_m, cfg.cluster_n)
         self.cluster_size = cfg.cluster_m * cfg.cluster_n
         self.cta_m, self.cta_n = cfg.tile_m // cfg.cluster_m, cfg.tile_n // cfg.cluster_n
+        #: CTA tiles covering one expert's output (m, n): a cluster's CTA past them stores
+        #: nothing.
+        self.cta_tiles = (-(-cfg.hidden // self.cta_m), -(-cfg.intermediate // self.cta_n))
         self.num_mcast_a, self.num_mcast_b = cfg.cluster_n, cfg.cluster_m
         self.tile_shape_mnk = (self.cta_m, self.cta_n, cfg.tile_k)
         self.num_threads = 3 * WARP_GROUP_THREADS  # a producer group, two consumer groups
@@ -867,6 +872,12 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             store = True
             if cutlass.const_expr(cfg.accumulate):
                 store = k_tiles > 0  # adding zeros changes nothing
+            if cutlass.const_expr(self.cluster_size > 1):
+                # A CTA whose part of the cluster's unit lies past the output stores nothing:
+                # where the output has a single CTA tile along the pair, that tile mode has
+                # one element and its coordinate does not move past the output (it aliases
+                # the first tile: stored twice, or added twice when accumulating).
+                store = store and tile_m < self.cta_tiles[0] and tile_n < self.cta_tiles[1]
             if cutlass.const_expr(cfg.output_mode == "discrete"):
                 store = store and output_ptr_ok(wgrad_ptrs, expert)
             if cutlass.const_expr(epi_ordered):

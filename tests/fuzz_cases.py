@@ -14,7 +14,8 @@ the test's random one; the slot plan below makes it hold for any seed):
   about 60% not multiples of 128; 1..512 experts; every (a_major, b_major) of ("m"|"k",
   "n"|"k"); tensor2d / tensor_ragged; dense / discrete outputs; bf16 / fp16 / fp32 outputs;
   accumulate on / off; the default tiling and every SM90 tile (cooperative 128x256, 256x128,
-  128x192; pingpong 128x128, 64x256, 64x128).
+  128x192; pingpong 128x128, 64x256, 64x128), with CTA pairs (1x2, 2x1) and quads (2x2) on
+  every other spec of the tiles that run them (SM90_BF16_CLUSTERS).
 * FP8 specs (K-major operands only): the SM90 recipes ``per_expert_channel``, ``block_1x128`` and
   MXFP8 ``blocked``; e4m3 / e5m2 (mixed for the FP32 recipes); with and without global scales;
   every SM90 FP8 tile; operands drawn directly (random codes and scales) or produced by
@@ -97,6 +98,11 @@ FP8_FORMATS = ("e4m3", "e5m2")
 #: gwgrad/kernels/tiling.py's SM90_TILES / SM90_FP8_TILES (a CPU test keeps them equal).
 SM90_BF16_TILES = ((128, 256), (256, 128), (128, 192), (128, 128), (64, 256), (64, 128))
 SM90_FP8_TILES = ((128, 128), (128, 192), (64, 128), (64, 192))
+#: SM90 BF16 tiles -> the CTA clusters the fuzz gives every other spec of that tile in turn
+#: (the pairs and quads tests/test_sm90_kernel_gpu.py runs; a cluster's unit is its CTAs'
+#: tiles side by side, so small outputs put a CTA's part past the output).
+SM90_BF16_CLUSTERS = {(128, 256): ((1, 2), (2, 1)), (128, 128): ((1, 2), (2, 1), (2, 2)),
+                      (64, 128): ((2, 2),)}
 DISTS = ("random", "uniform", "zipf", "one_hot", "sparse", "unaligned", "huge", "tiny",
          "all_empty")
 INVALID_KINDS = ("decreasing", "last", "multiple", "scales")
@@ -145,6 +151,7 @@ class Spec:
     b_fmt: Optional[str] = None
     global_scales: bool = False
     source: str = "direct"  # FP8: "direct" codes + scales, or "quantize" (gwgrad.quantize)
+    cluster: Optional[Tuple[int, int]] = None  # SM90 BF16 with a tiling: None is (1, 1)
 
     @property
     def id(self) -> str:
@@ -193,6 +200,8 @@ class Spec:
                  f"A{self.a_major}B{self.b_major}", self.order, self.mode,
                  f"out={self.out_dtype}", "acc" if self.accumulate else "overwrite",
                  "tile=" + ("default" if self.tiling is None else "x".join(map(str, self.tiling)))]
+        if self.cluster is not None:
+            parts.append("cluster=" + "x".join(map(str, self.cluster)))
         if self.kind == "fp8":
             parts += [self.recipe, f"{self.a_fmt}/{self.b_fmt}",
                       "global" if self.global_scales else "no-global", self.source]
@@ -201,6 +210,7 @@ class Spec:
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["tiling"] = list(self.tiling) if self.tiling else None
+        d["cluster"] = list(self.cluster) if self.cluster else None
         return d
 
 
@@ -308,6 +318,7 @@ def plan_specs(master_seed: int) -> List[Spec]:
     j = i = 0
     quantized: set = set()
     blocked_seen = fp32_seen = fp8_tiled = bf16_tiled = 0
+    clustered = {tile: 0 for tile in SM90_BF16_CLUSTERS}
     untiled_2d: set = set()
     for index in range(MAX_SPECS):
         if index % 3 != 2:
@@ -323,12 +334,19 @@ def plan_specs(master_seed: int) -> List[Spec]:
             if j % 2 == 1 and not (order == "tensor2d" and mode not in untiled_2d):
                 tiling = SM90_BF16_TILES[bf16_tiled % len(SM90_BF16_TILES)]
                 bf16_tiled += 1
+            cluster = None
+            if tiling in SM90_BF16_CLUSTERS:  # every other spec of a tile: its clusters in turn
+                turn = clustered[tiling]
+                clustered[tiling] += 1
+                if turn % 2 == 0:
+                    options = SM90_BF16_CLUSTERS[tiling]
+                    cluster = options[(turn // 2) % len(options)]
             if tiling is None and order == "tensor2d":
                 untiled_2d.add(mode)
             specs.append(Spec(
                 index=index, kind="bf16", hidden=hidden, intermediate=inter, experts=experts,
                 a_major=a, b_major=b, order=order, mode=mode, out_dtype=OUT_DTYPES[j % 3],
-                accumulate=bool((j // 3) % 2), tiling=tiling))
+                accumulate=bool((j // 3) % 2), tiling=tiling, cluster=cluster))
             j += 1
             continue
         recipe, order, mode = fp8_combos[i] if i < len(fp8_combos) else fp8_combos[
@@ -597,7 +615,7 @@ def to_static_spec(spec: Spec, arch: str = "sm_90a"):
         a_dtype=DType.BFLOAT16, b_dtype=DType.BFLOAT16, wgrad_dtype=DType(spec.out_dtype),
         acc_dtype=DType.FLOAT32, a_major=spec.a_major, b_major=spec.b_major,
         input_order=spec.order, output_mode=spec.mode, accumulate=spec.accumulate,
-        mma_tiler_mn=spec.tiling, cluster_shape_mn=None, sf_vec_size=16, arch=arch)
+        mma_tiler_mn=spec.tiling, cluster_shape_mn=spec.cluster, sf_vec_size=16, arch=arch)
     if spec.kind == "fp8":
         kw.update(a_dtype=fp8[spec.a_fmt], b_dtype=fp8[spec.b_fmt],
                   sf_vec_size={"per_expert_channel": 0, "block_1x128": 128,
@@ -705,6 +723,7 @@ def build_spec_of(case: Case, arch: str = "sm_90a"):
     return build_spec(a=d["a"], b=d["b"], offsets=d["offsets"], output_mode=spec.mode,
                       wgrad=d.get("wgrad"), wgrad_ptrs=d.get("wgrad_ptrs"),
                       wgrad_dtype=spec.out_dtype, mma_tiler_mn=spec.tiling,
+                      cluster_shape_mn=spec.cluster,
                       accumulate=spec.accumulate, input_order=spec.order, arch=arch, **kw)
 
 
@@ -1215,7 +1234,7 @@ def _call(torch, gwgrad, case: Case, inp: _Inputs, offsets, stack, outs, ptrs, o
                 wgrad_shape=None if dense else (spec.hidden, spec.intermediate),
                 wgrad_dtype=None if dense else out_dtype,
                 sample_global_scale_a=inp.gsa, sample_global_scale_b=inp.gsb,
-                mma_tiler_mn=spec.tiling, sf_vec_size=sf_vec,
+                mma_tiler_mn=spec.tiling, cluster_shape_mn=spec.cluster, sf_vec_size=sf_vec,
                 accumulate_on_output=spec.accumulate, input_order=spec.order,
                 output_mode=spec.mode, scale_recipe=recipe_arg)
             op.check_support()
@@ -1237,7 +1256,7 @@ def _call(torch, gwgrad, case: Case, inp: _Inputs, offsets, stack, outs, ptrs, o
                   offsets_tensor=offsets, output_mode=spec.mode,
                   global_scale_a=inp.gsa, global_scale_b=inp.gsb,
                   accumulate_on_output=spec.accumulate, input_order=spec.order,
-                  mma_tiler_mn=spec.tiling, sf_vec_size=sf_vec,
+                  mma_tiler_mn=spec.tiling, cluster_shape_mn=spec.cluster, sf_vec_size=sf_vec,
                   validate_offsets=draw.validate_offsets, scale_recipe=recipe_arg)
     if dense:
         kwargs["wgrad_tensor"] = stack

@@ -166,6 +166,8 @@ def coverage(cases):
         tiles = F.SM90_BF16_TILES if group == "bf16" else F.SM90_FP8_TILES
         for tile in (None,) + tiles:
             has(f"{group} tile {tile}", any(s.tiling == tile for s in ss))
+        if group == "bf16":
+            has("bf16 a CTA cluster", any(s.cluster for s in ss))
         g = 8 if group == "bf16" else 16
         has(f"{group} hidden {g}", any(s.hidden == g for s in ss))
         has(f"{group} intermediate {g}", any(s.intermediate == g for s in ss))
@@ -304,6 +306,7 @@ def test_every_generated_call_passes_the_contracts_checks(master):
                                           else "Fp8Sm90Backend")
         if spec.tiling is not None:
             assert final.mma_tiler_mn == spec.tiling
+            assert final.cluster_shape_mn == (spec.cluster or (1, 1))
         finals.add(final)
     assert len(finals) <= F.MAX_SPECS
 

@@ -2,7 +2,15 @@
 events, median of interleaved rounds) on variants of a zipf row's counts, each against the
 dense GEMM of its own FLOPs. Diagnostic for docs/PERF_NOTES.md (issue #12).
 
-Usage (GPU host): python scripts/zipf_anatomy.py out.json"""
+Usage (GPU host): python scripts/zipf_anatomy.py out.json
+
+As an ncu target, each chosen variant's gwgrad call and its dense GEMM once inside an NVTX
+range ``prof`` (warm-up outside), in the order printed:
+
+    ncu --clock-control none --nvtx --nvtx-include "prof/" --section SpeedOfLight --csv \
+        --page details --log-file ncu.csv python scripts/zipf_anatomy.py --profile \
+        "zipf|zipf, empty experts dropped"      (variant names, separated by |)
+    python scripts/profile_gemm.py --summarize ncu.csv"""
 import json
 import sys
 
@@ -85,10 +93,13 @@ def torch_sms():
     return torch.cuda.get_device_properties(0).multi_processor_count
 
 
-def main(path):
+def main(path, only=None):
+    """Every variant of both rows (``only``: those variant names) into ``path``."""
     rows = []
     for name, hidden, inter, experts, tokens in ROWS:
         for vname, counts in variants(tokens, experts).items():
+            if only and vname not in only:
+                continue
             run, dense, flops = case(hidden, inter, counts)
             ms = time_interleaved({"gwgrad": run, "dense": dense}, rounds=15)
             row = {"row": name, "variant": vname, "experts": len(counts), "tokens": sum(counts),
@@ -108,5 +119,29 @@ def main(path):
         json.dump(rows, f, indent=1)
 
 
+def profile(names):
+    """One call of gwgrad and of the dense GEMM per row and chosen variant, each inside an
+    NVTX range "prof" (ncu --nvtx-include "prof/"), after a warm-up outside it."""
+    import torch
+
+    for name, hidden, inter, experts, tokens in ROWS:
+        chosen = variants(tokens, experts)
+        for vname in names:
+            run, dense, flops = case(hidden, inter, chosen[vname])
+            for fn in (run, dense, run, dense):  # compile, cuBLAS heuristics: outside
+                fn()
+            torch.cuda.synchronize()
+            for method, fn in (("gwgrad", run), ("dense", dense)):
+                torch.cuda.nvtx.range_push("prof")
+                fn()
+                torch.cuda.nvtx.range_pop()
+                torch.cuda.synchronize()
+                print(f"prof: {name} | {vname} | {method}", flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--profile":
+        profile([v.strip() for v in sys.argv[2].split("|") if v.strip()])
+    else:  # python scripts/zipf_anatomy.py out.json ["uniform|zipf"]
+        main(sys.argv[1], [v.strip() for v in sys.argv[2].split("|")] if len(sys.argv) > 2
+             else None)

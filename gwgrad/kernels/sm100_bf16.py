@@ -29,7 +29,8 @@ memory, the pipelines, the TMEM allocator and the barriers, then calls one metho
             store, or TMA reduce-add when accumulating, through the store helper shared with
             SM90 (GroupedWgradKernel.store_subtile in kernels/common.py); dense outputs through
             one (hidden, intermediate, E) descriptor, discrete outputs through the expert's
-            descriptor. An empty expert stores zeros, or nothing when accumulating.
+            descriptor. An empty expert stores zeros, or nothing when accumulating; an MMA
+            of the cluster whose rows lie past the output stores nothing.
 
 Hooks for the block-scaled kernel (kernels/sm100_blockscaled.py, which extends this class):
 make_tiled_mma, scale_stage_bytes, setup_scales, tmem_columns on the host; scale_sources /
@@ -202,6 +203,10 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                              f"{self.mma_tiler[2]}")
         atom_thr = cute.size(tiled_mma.thr_id.shape)
         self.cta_tile_shape_mnk = (self.mma_tiler[0] // atom_thr, self.mma_tiler[1], self.mma_tiler[2])
+        # MMA tiles covering one expert's output rows, and the MMAs a cluster runs side by
+        # side along M: an MMA of the cluster past the output's tiles stores nothing.
+        self.mma_tiles_m = -(-cfg.hidden // self.mma_tiler[0])
+        self.mmas_per_cluster_m = cfg.cluster_m // atom_thr
         self.cluster_layout_vmnk = cute.tiled_divide(
             cute.make_layout((*self.cluster_shape_mn, 1)), (tiled_mma.thr_id.shape,)
         )
@@ -818,6 +823,11 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                 store = k_tiles > 0  # adding zeros changes nothing
             if cutlass.const_expr(cfg.output_mode == "discrete"):
                 store = store and output_ptr_ok(wgrad_ptrs, expert)
+            if cutlass.const_expr(self.mmas_per_cluster_m > 1):
+                # Rows past the output: with a single MMA tile along M that tile mode has one
+                # element and the index would alias the first tile (as on SM90, where a CTA
+                # pair over one tile stored it twice; docs/PERF_NOTES.md, session 10).
+                store = store and mma_m < self.mma_tiles_m
             if k_tiles > 0:
                 acc_pipeline.consumer_wait(acc_state)
             alpha = None

@@ -11,7 +11,8 @@
 #   alone), examples, unrounded (bench with counts not rounded to 256), adapters (kernel time
 #   per adapter), fp8 (bench/fp8.py: the FP8 recipes), qtests (the quantizers' GPU tests),
 #   qbench (bench/quantize.py), fuzz (tests/test_fuzz_gpu.py), sanitize (scripts/sanitize.py),
-#   soak (scripts/soak.py), reliability (the main-grad layer, short soak and two-GPU tests),
+#   soak (scripts/soak.py), overlap (scripts/overlap_stall.py: gwgrad beside held SMs),
+#   reliability (the main-grad layer, short soak and two-GPU tests),
 #   ncu (scripts/profile_gemm.py under Nsight Compute: gwgrad vs dense cuBLAS per row);
 #   these are not in the default run's budget.
 #
@@ -190,6 +191,12 @@ for s in $steps; do
       cat "$OUT/step.txt"
       "$PY" scripts/profile_gemm.py --summarize "$OUT/ncu.csv" | tee "$OUT/ncu_summary.txt"
       done_step ncu $rc ;;
+    overlap)
+      # scripts/overlap_stall.py: gwgrad beside a kernel that holds some SMs (one launch / two).
+      step overlap 120 || continue
+      capture "$PY" scripts/overlap_stall.py --json "$OUT/overlap.json"
+      tail -12 "$OUT/step.txt"
+      done_step overlap $rc ;;
     soak)
       # scripts/soak.py: mixed calls over threads and streams, memory, compiles, graph replays.
       step soak 240 || continue

@@ -76,15 +76,20 @@ def deadline(seconds: int):
             signal.alarm(max(1, int(round(outer - (time.monotonic() - start)))))
 
 
+def record_error(results: Dict, name: str, exc: BaseException) -> None:
+    """A failed step's error (with the trace being handled), recorded and printed."""
+    results["errors"].append({"step": name, "error": f"{type(exc).__name__}: {exc}",
+                              "trace": traceback.format_exc()[-2000:]})
+    print(f"[{name}] failed: {type(exc).__name__}: {exc}", flush=True)
+
+
 def guarded(results: Dict, name: str, seconds: int, fn: Callable[[], object]):
     """Run one step; record its error instead of failing the whole benchmark."""
     try:
         with deadline(seconds):
             return fn()
     except Exception as exc:  # noqa: BLE001 - one failing step must not stop the others
-        results["errors"].append({"step": name, "error": f"{type(exc).__name__}: {exc}",
-                                  "trace": traceback.format_exc()[-2000:]})
-        print(f"[{name}] failed: {type(exc).__name__}: {exc}", flush=True)
+        record_error(results, name, exc)
         return None
 
 
@@ -442,14 +447,10 @@ def host_overhead(results: Dict, frameworks: List[str], batch: int, batches: int
             if made is not None:
                 calls["jax_jit_call"] = made
 
-    def error(name, exc):
-        results["errors"].append({"step": f"overhead: {name}",
-                                  "error": f"{type(exc).__name__}: {exc}",
-                                  "trace": traceback.format_exc()[-2000:]})
-        print(f"[overhead: {name}] failed: {type(exc).__name__}: {exc}", flush=True)
-
     def measure():
-        samples = interleaved_per_call_us(calls, batch, batches, errors=error)
+        samples = interleaved_per_call_us(
+            calls, batch, batches,
+            errors=lambda name, exc: record_error(results, f"overhead: {name}", exc))
         for name in calls:  # the makers' order, not the order of completion
             if name not in samples:
                 continue

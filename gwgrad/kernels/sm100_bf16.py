@@ -109,6 +109,7 @@ from .common import (
     ProblemConfig,
     Workspace,
     acquire_descriptor,
+    ceil_div,
     decode_unit,
     dense_output_view,
     expert_output_view,
@@ -205,7 +206,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         self.cta_tile_shape_mnk = (self.mma_tiler[0] // atom_thr, self.mma_tiler[1], self.mma_tiler[2])
         # MMA tiles covering one expert's output rows, and the MMAs a cluster runs side by
         # side along M: an MMA of the cluster past the output's tiles stores nothing.
-        self.mma_tiles_m = -(-cfg.hidden // self.mma_tiler[0])
+        self.mma_tiles_m = ceil_div(cfg.hidden, self.mma_tiler[0])
         self.mmas_per_cluster_m = cfg.cluster_m // atom_thr
         self.cluster_layout_vmnk = cute.tiled_divide(
             cute.make_layout((*self.cluster_shape_mn, 1)), (tiled_mma.thr_id.shape,)

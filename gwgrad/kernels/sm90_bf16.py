@@ -108,6 +108,7 @@ from .common import (
     ProblemConfig,
     Workspace,
     acquire_descriptor,
+    ceil_div,
     decode_unit,
     dense_output_view,
     expert_output_view,
@@ -179,7 +180,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         self.cta_m, self.cta_n = cfg.tile_m // cfg.cluster_m, cfg.tile_n // cfg.cluster_n
         #: CTA tiles covering one expert's output (m, n): a cluster's CTA past them stores
         #: nothing.
-        self.cta_tiles = (-(-cfg.hidden // self.cta_m), -(-cfg.intermediate // self.cta_n))
+        self.cta_tiles = (ceil_div(cfg.hidden, self.cta_m), ceil_div(cfg.intermediate, self.cta_n))
         self.num_mcast_a, self.num_mcast_b = cfg.cluster_n, cfg.cluster_m
         self.tile_shape_mnk = (self.cta_m, self.cta_n, cfg.tile_k)
         self.num_threads = 3 * WARP_GROUP_THREADS  # a producer group, two consumer groups

@@ -201,7 +201,7 @@ class LaunchPlan:
         """Enqueue one call on ``stream``. ``workspace``: ``workspace_bytes`` of device memory
         untouched by other work until the launch completes on ``stream``, whose first
         ``WORKSPACE_ZEROED_BYTES`` were zero before its first gwgrad launch (a single-launch
-        kernel's grid barrier; each launch leaves them zero, so a workspace is zero-filled
+        kernel's prep hand-off; each launch leaves them zero, so a workspace is zero-filled
         once, then reused by later launches on the same stream). 0: gwgrad's own per-stream
         workspace (or, while ``stream`` is captured, a zeroed stream-ordered one). ``scales``:
         block-scaled inputs' addresses of ``(sfa, sfb, global_scale_a, global_scale_b)`` (0

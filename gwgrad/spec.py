@@ -52,7 +52,7 @@ class StaticSpec:
     epi_buffer_sets: int = 0
     # Kernel launches per call (0: the backend's default): 2, a prep kernel (the experts'
     # ranges, order, descriptors and the offsets check) then the GEMM; 1, the GEMM does that
-    # work itself behind a grid barrier (half the host launch cost; needs a workspace whose
+    # work itself before a hand-off (half the host launch cost; needs a workspace whose
     # first 16 bytes are zero before its first use, which gwgrad's own workspaces are). Not
     # tuning: JAX's custom call asks for 2 (XLA's workspace is not zeroed).
     launches: int = 0

@@ -69,10 +69,10 @@ def replace(s, **kw):
 
 def kernel_bodies(ptx: str):
     """(prep work, GEMM work) of a compiled launch: the prep kernel's and the GEMM kernel's
-    bodies, or for a single-launch kernel (one entry) its code before and after the grid
-    barrier (check_grid_barrier_ptx)."""
+    bodies, or for a single-launch kernel (one entry) its code before and after the prep
+    hand-off (check_prep_handoff_ptx)."""
     if ptx.count(".entry ") == 1:
-        return split_at_grid_barrier(ptx.split(".entry ", 1)[1])
+        return split_at_prep_handoff(ptx.split(".entry ", 1)[1])
     bodies = {}
     for chunk in ptx.split(".entry ")[1:]:
         name = chunk.split("(", 1)[0]
@@ -81,33 +81,55 @@ def kernel_bodies(ptx: str):
     return bodies["prep"], bodies["gemm"]
 
 
-def split_at_grid_barrier(body: str):
-    """(before, after) the grid barrier of a single-launch kernel's body."""
+def split_at_prep_handoff(body: str):
+    """(before, after) the prep hand-off of a single-launch kernel's body."""
     import re
 
-    check_grid_barrier_ptx(body)
+    check_prep_handoff_ptx(body)
     fence = body.index("fence.acq_rel.gpu;")
     end = re.compile(r"bar\.sync\s+0;").search(body, fence)
-    assert end, "no CTA barrier after the grid barrier"
+    assert end, "no CTA barrier after the prep hand-off"
     return body[:fence], body[end.end():]
 
 
-def check_grid_barrier_ptx(body: str) -> None:
-    """A single-launch kernel's grid barrier (kernels/common.grid_barrier): descriptor writes
-    released to the tensormap proxy, a CTA barrier, thread 0's acquire load of the generation
-    (workspace byte 12), its acq_rel arrival (GPU scope), the last CTA's reset and release
-    increment, a GPU-scope fence and another CTA barrier."""
+def check_prep_handoff_ptx(body: str) -> None:
+    """A single-launch kernel's prep work and hand-off (kernels/common.prep_in_kernel,
+    take_expert, prep_handoff), in order: a prep warp's relaxed take of the next expert from
+    workspace byte 8, shared by a shuffle; the expert's descriptors released to the
+    tensormap proxy, a warp sync, then the release add of the prepared count (byte 12);
+    a CTA barrier; thread 0's acquire loads of byte 12 (the spin), its acq_rel pass on it, the
+    last CTA's resets of both words to 0; a GPU-scope fence and a CTA barrier. No system-scope
+    atomics."""
     import re
 
     assert body.count(".entry ") == 0
-    release = body.index("fence.proxy.tensormap::generic.release.gpu;")
-    arrive = re.search(r"atom\.global\.acq_rel(\.gpu)?\.add\.u32\s+%r\d+, \[%rd\d+\], 1;", body)
-    assert arrive and arrive.start() > release
-    assert re.search(r"ld\.acquire\.gpu\.global\.b32\s+%r\d+, \[%rd\d+\+12\];", body[:arrive.start()])
-    assert re.search(r"atom\.global\.exch\.b32\s+%r\d+, \[%rd\d+\], 0;", body)
-    assert re.search(r"atom\.global\.release(\.gpu)?\.add\.u32", body)
+    ptr = {}
+    for offset in (8, 12):
+        m = re.search(rf"add\.s64\s+(%rd\d+), (%rd\d+), {offset};", body)
+        assert m, f"no pointer to workspace byte {offset}"
+        ptr[offset] = (re.escape(m.group(1)), m.group(2))
+    assert ptr[8][1] == ptr[12][1], "bytes 8 and 12 of different bases"
+    nxt, done = ptr[8][0], ptr[12][0]
+
+    def at(pattern, start=0):
+        m = re.compile(pattern).search(body, start)
+        assert m, (pattern, body[start:start + 300])
+        return m
+
+    take = at(rf"atom\.global(\.relaxed)?(\.gpu)?\.add\.u32\s+%r\d+, \[{nxt}\], 1;")
+    at(r"shfl\.sync\.idx\.b32", take.end())
+    release = at(r"fence\.proxy\.tensormap::generic\.release\.gpu;", take.end())
+    sync = at(r"bar\.warp\.sync", release.end())
+    prepared = at(rf"atom\.global\.release(\.gpu)?\.add\.u32\s+%r\d+, \[{done}\], 1;",
+                  sync.end())
+    cta = at(r"bar\.sync\s+0;", prepared.end())
+    spin = at(rf"ld\.acquire\.gpu\.global\.b32\s+%r\d+, \[{done}\];", cta.end())
+    passed = at(rf"atom\.global\.acq_rel(\.gpu)?\.add\.u32\s+%r\d+, \[{done}\], 1;", spin.end())
+    at(rf"atom\.global\.exch\.b32\s+%r\d+, \[{nxt}\], 0;", passed.end())
+    at(rf"atom\.global\.exch\.b32\s+%r\d+, \[{done}\], 0;", passed.end())
+    fence = at(r"fence\.acq_rel\.gpu;", passed.end())
+    at(r"bar\.sync\s+0;", fence.end())
     assert "atom.global.sys" not in body and "atom.global.acq_rel.sys" not in body
-    assert "fence.acq_rel.gpu;" in body[arrive.end():]
 
 
 def check_offsets_check_ptx(ptx: str, before_verdict=()) -> None:

@@ -148,8 +148,8 @@ def test_cluster_pairs_compile(tile, cluster, kw):
 @pytest.mark.parametrize("launches", [1, 2])
 @pytest.mark.parametrize("mode,cluster", [("dense", (1, 1)), ("discrete", (1, 2))])
 def test_launches_per_call_compile(launches, mode, cluster):
-    """One launch: a single entry whose CTAs do the prep work, meet at the grid barrier, then
-    read the verdict (kernel_compile.check_grid_barrier_ptx); two: the prep kernel and the
+    """One launch: a single entry whose CTAs do the prep work, pass the prep hand-off, then
+    read the verdict (kernel_compile.check_prep_handoff_ptx); two: the prep kernel and the
     GEMM. The offsets check is the same code in both."""
     from kernel_compile import replace
 

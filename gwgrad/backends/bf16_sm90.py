@@ -78,7 +78,7 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         return 2 if _output_tiles(spec) >= EPI_SPLIT_TILES else 1
 
     def single_launch_problem(self, spec: StaticSpec):
-        # None: one launch by default (the prep work inside the GEMM, behind a grid barrier),
+        # None: one launch by default (the prep work inside the GEMM, before a hand-off),
         # so the host pays one cudaLaunchKernelEx per call instead of two (docs/PERF_NOTES.md,
         # the host path).
         return None

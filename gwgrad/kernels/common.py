@@ -9,17 +9,20 @@ a few m-tiles, m fastest inside a band (unit_tile_coords).
 
 Per-expert K ranges. The *prep work* (one warp per expert) writes the workspace before any
 unit starts. Either a small prep kernel (grid = E) runs before the GEMM on the same stream
-(``cfg.launches == 2``), or the GEMM's own warps do it (``cfg.launches == 1``: warp w of CTA b
-takes experts b + grid * w, ...; GroupedWgradKernel.prep_in_kernel), then every CTA waits at a
-grid barrier (grid_barrier; the kernel is launched cooperatively, so all its CTAs are
-resident). One launch saves the host one cudaLaunchKernelEx per call (docs/PERF_NOTES.md).
+(``cfg.launches == 2``), or the GEMM's own warps do it (``cfg.launches == 1``: the first warps
+of each CTA take experts from a counter; GroupedWgradKernel.prep_in_kernel) and each CTA
+goes on once every expert is prepared (prep_handoff). No CTA waits for another to start: the
+launch is an ordinary one, correct for any grid (one CTA resident at a time included), and a
+CTA that starts late (its SMs held by another stream's kernel) holds nobody up. One launch
+saves the host one cudaLaunchKernelEx per call (docs/PERF_NOTES.md).
 
     counter   int32      byte 0: the dynamic scheduler's unit counter, reset to 0 (expert 0)
     verdict   int32      byte 4: 1 when the offsets are valid, 0 when not (expert 0, every launch)
-    barrier   int32[2]   bytes 8, 12: the grid barrier's arrival count and generation (single
-                         launch only). The count must be 0 before a workspace's first launch
-                         (gwgrad zero-fills the workspaces it allocates) and every launch
-                         leaves it 0, so any later launch, of any grid size, may reuse it.
+    prep      int32[2]   bytes 8, 12 (single launch only): the next expert a prep warp takes,
+                         and the experts prepared (then also the CTAs past the hand-off). Both
+                         must be 0 before a workspace's first launch (gwgrad zero-fills the
+                         workspaces it allocates) and every launch leaves them 0, so any later
+                         launch, of any grid size, may reuse it.
     live      int32      byte 16: experts with tokens (expert 0). They hold ranks 0..live-1, so
                          units past live * tiles_per_expert belong to empty experts (the SM90
                          kernels hand out only the others, and zero the empty experts' outputs
@@ -84,10 +87,10 @@ from ..offsets import COUNT_NOT_MULTIPLE, LAST_NOT_TOKENS_SUM, NEGATIVE_COUNT, S
 from ..scales import column_rule
 
 DESC_BYTES = 128
-COUNTER_BYTES = 128  # the block holding the unit counter, the verdict and the grid barrier
+COUNTER_BYTES = 128  # the block holding the unit counter, the verdict and the prep hand-off
 VERDICT_BYTE = 4
-BARRIER_COUNT_BYTE = 8  # single-launch kernels' grid barrier: CTAs arrived (0 between launches)
-BARRIER_GEN_BYTE = 12  # ... and its generation (advanced by the last CTA to arrive)
+PREP_NEXT_BYTE = 8  # single launch: the next expert a prep warp takes (0 between launches)
+PREP_DONE_BYTE = 12  # ... experts prepared, then + CTAs past the hand-off (0 between launches)
 LIVE_BYTE = 16  # experts with tokens (ranks 0 .. live-1 of the unit order; the rest are empty)
 # The status record (see module doc): 8 int32, 16-byte aligned.
 STATUS_INT32 = 8
@@ -138,8 +141,8 @@ class ProblemConfig:
     # (slots desc_sfa / desc_sfb, over the expert's chunk of the blocked layout).
     sf_descriptors: bool = False
     # Kernel launches per call: 2, the prep kernel then the GEMM; 1, the GEMM does the prep
-    # work itself before a grid barrier (GroupedWgradKernel.prep_in_kernel; SM90 BF16). The
-    # single launch needs the workspace's barrier words zero before its first use.
+    # work itself before a hand-off (GroupedWgradKernel.prep_in_kernel; SM90 BF16). The
+    # single launch needs the workspace's hand-off words zero before its first use.
     launches: int = 2
 
     # -- scales ------------------------------------------------------------------------
@@ -318,8 +321,8 @@ class Workspace:
         self.live = cute.make_tensor(
             cute.recast_ptr(base + LIVE_BYTE, dtype=Int32), cute.make_layout(1)
         )
-        self.barrier_count = cute.recast_ptr(base + BARRIER_COUNT_BYTE, dtype=Int32)
-        self.barrier_gen = cute.recast_ptr(base + BARRIER_GEN_BYTE, dtype=Int32)
+        self.prep_next = cute.recast_ptr(base + PREP_NEXT_BYTE, dtype=Int32)
+        self.prep_done = cute.recast_ptr(base + PREP_DONE_BYTE, dtype=Int32)
         self.ranges = cute.make_tensor(
             cute.recast_ptr(base + cfg.ranges_offset, dtype=Int32), cute.make_layout(2 * e)
         )
@@ -873,48 +876,69 @@ class GroupedWgradKernel(GemmEntryPoints):
         a_smem_layout, b_smem_layout, epi_smem_layout, epi_tile, sf_capacity,
         num_warps: cutlass.Constexpr,
     ):
-        """The prep kernel's work done by the GEMM's own CTAs (``cfg.launches == 1``): warp w
-        of block b takes experts b + grid * w, then every grid * num_warps-th; then every CTA
-        waits at the grid barrier, after which the workspace is complete (as the prep kernel
-        leaves it) for all of them."""
+        """The prep kernel's work done by the GEMM's own CTAs (``cfg.launches == 1``). The
+        first ceil(E / grid) warps of each CTA (at most ``num_warps``) take experts from the
+        workspace's counter (byte 8) until it passes E; each prepared expert is counted (byte
+        12, a release after the expert's descriptors are released to the tensormap proxy).
+        Work-conserving: whichever CTAs run first prepare every expert, so none waits for
+        another to start. Then prep_handoff: the workspace is complete, as the prep kernel
+        leaves it, for every thread after it."""
         cfg = self.cfg
+        ws = Workspace(cfg, workspace_ptr)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
         grid = cute.arch.grid_dim()[0]
-        first = cute.arch.block_idx()[0] + grid * warp
-        for expert in range(first, cfg.num_experts, grid * num_warps):
-            self.prep_body(
-                mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status, tiled_mma,
-                a_smem_layout, b_smem_layout, epi_smem_layout, epi_tile, sf_capacity, expert,
-            )
-        # Order this thread's descriptor writes before other CTAs' tensormap-proxy reads
-        # (they acquire each descriptor before its first use: acquire_descriptor).
-        cpasync.fence_tma_desc_release()
-        grid_barrier(Workspace(cfg, workspace_ptr))
+        takers = (cfg.num_experts + grid - 1) // grid  # one round when the whole grid runs
+        if warp < takers and warp < num_warps:
+            expert = take_expert(ws, lane)
+            while expert < cfg.num_experts:
+                self.prep_body(
+                    mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status, tiled_mma,
+                    a_smem_layout, b_smem_layout, epi_smem_layout, epi_tile, sf_capacity,
+                    expert,
+                )
+                # This thread's descriptor writes, released to the tensormap proxy (readers
+                # acquire each descriptor before its first use: acquire_descriptor), then
+                # the whole warp's, before lane 0 counts the expert as prepared.
+                cpasync.fence_tma_desc_release()
+                cute.arch.sync_warp()
+                if lane == 0:
+                    cute.arch.atomic_add(ws.prep_done, Int32(1), sem="release", scope="gpu")
+                expert = take_expert(ws, lane)
+        prep_handoff(ws, cfg.num_experts)
 
 
 @cute.jit
-def grid_barrier(ws: Workspace):
-    """Every CTA of the grid waits here until all have arrived; what any thread wrote before
-    is then visible to every thread after. The grid must be co-resident (the single-launch
-    kernels are launched cooperatively, so the driver guarantees it or fails the launch).
+def take_expert(ws: Workspace, lane: Int32) -> Int32:
+    """The next expert for a prep warp: lane 0 takes it from the counter (a relaxed atomic:
+    what the expert needs comes from the offsets, not from other warps) and the warp shares it."""
+    taken = Int32(0)
+    if lane == 0:
+        taken = cute.arch.atomic_add(ws.prep_next, Int32(1), sem="relaxed", scope="gpu")
+    return cute.arch.shuffle_sync(taken, 0)
 
-    Thread 0 of each CTA, between two CTA barriers: reads the generation, arrives (an
-    acq_rel atomic add on the count); the last to arrive (count == grid - 1) sets the count
-    back to 0 and advances the generation (release); the others spin until the generation
-    moves (acquire loads). The count is therefore 0 again whenever no launch is running: a
-    workspace must start with bytes 8..15 zero (gwgrad's workspaces are zero-filled when
-    allocated) and then serves any grid size."""
+
+@cute.jit
+def prep_handoff(ws: Workspace, num_experts: cutlass.Constexpr):
+    """Each CTA goes on once all ``num_experts`` are prepared; what their warps wrote is then
+    visible to every thread after this.
+
+    Between two CTA barriers (the first: this CTA's prep warps are done), thread 0 spins with
+    acquire loads until the prepared count (workspace byte 12) reaches E, then passes: an
+    acq_rel add on the same word. The last CTA to pass (it reads E + grid - 1) sets both the
+    expert counter and that word back to 0, so they are 0 whenever no launch runs: a workspace
+    must start with bytes 8..15 zero (gwgrad's workspaces are zero-filled when allocated) and
+    then serves any grid size. Every CTA takes part, so no word is reset while another CTA
+    can still read it."""
     cute.arch.barrier()
     if cute.arch.thread_idx()[0] == 0:
         grid = cute.arch.grid_dim()[0]
-        gen = cute.arch.load(ws.barrier_gen, Int32, sem="acquire", scope="gpu")
-        arrived = cute.arch.atomic_add(ws.barrier_count, Int32(1), sem="acq_rel", scope="gpu")
-        if arrived == grid - 1:
-            cute.arch.atomic_exch(ws.barrier_count, Int32(0), sem="relaxed", scope="gpu")
-            cute.arch.atomic_add(ws.barrier_gen, Int32(1), sem="release", scope="gpu")
-        else:
-            now = gen
-            while now == gen:
-                now = cute.arch.load(ws.barrier_gen, Int32, sem="acquire", scope="gpu")
+        done = cute.arch.load(ws.prep_done, Int32, sem="acquire", scope="gpu")
+        while done < num_experts:
+            done = cute.arch.load(ws.prep_done, Int32, sem="acquire", scope="gpu")
+        passed = cute.arch.atomic_add(ws.prep_done, Int32(1), sem="acq_rel", scope="gpu")
+        if passed == num_experts + grid - 1:
+            cute.arch.atomic_exch(ws.prep_next, Int32(0), sem="relaxed", scope="gpu")
+            cute.arch.atomic_exch(ws.prep_done, Int32(0), sem="relaxed", scope="gpu")
         cute.arch.fence_acq_rel_gpu()
     cute.arch.barrier()

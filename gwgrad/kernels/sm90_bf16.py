@@ -5,9 +5,9 @@ dynamically (see kernels/common.py for the unit order, the per-expert K ranges, 
 check and the workspace the prep work writes before any unit starts).
 
 One launch per call (spec.launches=1, the default for BF16): the CTAs first do the prep work
-themselves (GroupedWgradKernel.prep_in_kernel: each warp the experts b + grid * w, ...), then
-meet at a grid barrier (kernels/common.grid_barrier; the launch is cooperative, so the driver
-keeps every CTA resident or fails the launch). With spec.launches=2 (JAX's custom call, whose
+themselves (GroupedWgradKernel.prep_in_kernel: their first warps take experts from a counter),
+and each goes on once every expert is prepared (kernels/common.prep_handoff; no CTA waits for
+another to start, so the launch is an ordinary one). With spec.launches=2 (JAX's custom call, whose
 XLA workspace is not zeroed) the prep kernel runs first instead.
 
 Invalid offsets: every thread then reads the verdict (workspace byte 4; written before the grid
@@ -64,16 +64,18 @@ SM100 (GroupedWgradKernel.store_subtile in kernels/common.py); dense outputs use
 intermediate, E) descriptor, discrete outputs the expert's descriptor from the workspace.
 Empty experts get no unit: warps 1-3 store their zeros (above), or nothing when accumulating.
 
-Verified on an H200: one launch and two (TestSm90TwoLaunches), the grid barrier leaving its
-words ready for the next launch of any grid size
-(test_single_launch_leaves_its_workspace_ready_for_any_grid), every cluster shape launched
-cooperatively; the GEMM's numbers in every mode (tests/test_sm90_kernel_gpu.py,
+Verified on an H200: one launch and two (TestSm90TwoLaunches), every cluster shape; the
+GEMM's numbers in every mode (tests/test_sm90_kernel_gpu.py,
 tests/test_api_gpu.py, the adapters' GPU tests) and its speed (the benchmarks,
 docs/results/); the offsets check and the skip on invalid offsets (tests/test_status_gpu.py:
 default, graph-captured and validate_offsets=False launches write nothing and raise naming
 offsets_tensor). tests/test_compile_sm90.py also asserts the GPU-scope CAS and system-scope
-fence of the offsets check, the grid barrier's atomics and fences, and the verdict load and
-branch before any GEMM work. epi_buffer_sets=2
+fence of the offsets check, the prep hand-off's atomics and fences, and the verdict load and
+branch before any GEMM work. NOT YET RUN ON A GPU: the prep hand-off (session 10; it replaced a
+grid barrier behind a cooperative launch, which ran on the H200): its GPU tests are
+test_single_launch_leaves_its_workspace_ready_for_any_grid (the words back to 0, grids of 132
+and 1 CTA alternating) and test_single_launch_needs_no_resident_grid (grids of 2-3x what fits
+at once, where a grid barrier would hang). epi_buffer_sets=2
 (the default for 16-bit outputs of >= 1024 tiles per expert) and the clusters with the
 leader's unit hand-off ((1, 2): the default for FP32 outputs of short experts; (2, 1), (2, 2):
 opt-in) run on the H200 too: tests/test_sm90_kernel_gpu.py::test_pingpong_epilogue_buffer_set_per_group
@@ -351,9 +353,6 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             cluster=(self.cluster_size, 1, 1),
             min_blocks_per_mp=1,
             stream=stream,
-            # The grid barrier of a single launch needs every CTA resident at once: the driver
-            # guarantees it for a cooperative launch, or fails the launch.
-            cooperative=single,
         )
 
     def load_atoms(self, a, b, a_smem_layout, b_smem_layout):
@@ -436,7 +435,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     ):
         ws = Workspace(self.cfg, workspace_ptr)
         if cutlass.const_expr(self.cfg.launches == 1):
-            # The prep kernel's work, by this grid's warps, up to the grid barrier.
+            # The prep kernel's work, by this grid's warps, up to the hand-off.
             self.prep_in_kernel(
                 mA, mB, offsets, tokens_sum, wgrad_ptrs, workspace_ptr, status, tiled_mma,
                 cute.slice_(a_smem_layout_staged, (None, None, 0)),
@@ -445,7 +444,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 self.epi_tile, Int32(0), self.num_threads // 32,
             )
         # The offsets verdict (of the prep kernel, which ran before this kernel on the stream,
-        # or of this grid's prep work, complete after the grid barrier). Every thread reads it
+        # or of this grid's prep work, complete after the hand-off). Every thread reads it
         # before touching shared memory, barriers or the output: with invalid offsets the
         # whole CTA exits at once, so no store and no half-initialized pipeline.
         if ws.verdict[0] != 0:

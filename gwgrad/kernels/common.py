@@ -532,30 +532,15 @@ def check_offsets(
 
 
 @dsl_user_op
-def l2_evict_first_policy(*, loc=None, ip=None) -> Int64:
-    """An L2 cache policy (``createpolicy``) that marks every line a store writes with it
-    evict-first: the empty experts' zeros then leave L2 before the GEMM's operand panels do."""
-    from cutlass._mlir.dialects import llvm
-    from cutlass.cutlass_dsl import T
+def store_zeros_16b(address: Int64, *, loc=None, ip=None) -> None:
+    """16 zero bytes at global ``address`` (16-byte aligned), streaming (st.global.cs)."""
+    from cutlass._mlir import ir
+    from cutlass._mlir.dialects import vector
 
-    return Int64(llvm.inline_asm(
-        T.i64(), [], "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;", "=l",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip))
-
-
-@dsl_user_op
-def store_zeros_16b(address: Int64, policy: Int64, *, loc=None, ip=None) -> None:
-    """16 zero bytes at global ``address`` (16-byte aligned), not allocated in L1 and with the
-    L2 cache ``policy`` (l2_evict_first_policy)."""
-    from cutlass._mlir.dialects import llvm
-
-    llvm.inline_asm(
-        None, [Int64(address).ir_value(loc=loc, ip=ip), Int64(policy).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b32 z;\n\tmov.b32 z, 0;\n\t"
-        "st.global.L1::no_allocate.L2::cache_hint.v4.b32 [$0], {z, z, z, z}, $1;\n\t}",
-        "l,l", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip)
+    zeros = vector.broadcast(ir.VectorType.get([4], Int32.mlir_type),
+                             Int32(0).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
+    ptr = cute.make_ptr(Int32, address, cute.AddressSpace.gmem, assumed_align=16, loc=loc, ip=ip)
+    cute.arch.store(ptr, zeros, cop="cs", loc=loc, ip=ip)
 
 
 @cute.jit

@@ -24,8 +24,8 @@ Warp roles (384 threads, one CTA per SM, persistent):
                  prefetches its descriptors one unit ahead, so the ring does not drain at unit
                  boundaries. Only the experts with tokens have units (the first live *
                  tiles_per_expert; workspace byte 16). Warps 1-3 (WarpRole.ZERO) zero the
-                 empty experts' outputs meanwhile with 16-byte stores spread over the grid,
-                 evict-first in L2 (zero_empty_experts; nothing when accumulating). Registers are given
+                 empty experts' outputs meanwhile with 16-byte streaming stores spread over
+                 the grid (zero_empty_experts; nothing when accumulating). Registers are given
                  away (setmaxnreg 40).
   warp groups 1-2 consumer() (setmaxnreg 232): per unit mainloop() (WGMMA, FP32 accumulators
                  in registers), then epilogue(); the two groups share the work:
@@ -116,7 +116,6 @@ from .common import (
     expert_output_view,
     gemm_views,
     output_ptr_ok,
-    l2_evict_first_policy,
     store_zeros_16b,
     tma_desc_ptr_for_copy,
     token_origin,
@@ -667,7 +666,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     @cute.jit
     def zero_empty_experts(self, ws, c_out, wgrad_ptrs, tid):
         """Warps ZERO..ZERO+2 (``tid`` 0..95 among them): zero the outputs of the experts
-        without tokens (ranks live .. E-1) with 16-byte evict-first stores, each expert's
+        without tokens (ranks live .. E-1) with 16-byte streaming stores, each expert's
         output split over the whole grid (thread t of CTA b takes the 16-byte words b * 96 + t
         + k * grid * 96). The units of those experts are never handed out, so no consumer
         spends an epilogue on them, and these stores overlap the other units' math. Discrete
@@ -678,21 +677,17 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         words = expert_bytes // 16  # hidden, intermediate: multiples of 8
         first = Int32(cute.arch.block_idx()[0]) * threads + tid
         step = Int32(cute.arch.grid_dim()[0]) * threads
-        # Evict-first in L2: zeros nothing reads again must not push out the operand panels
-        # the other units' mainloops share (session 10's ncu: with .cs stores the zeros cost
-        # their full write time on qwen3-30b-fc1 zipf, tensor pipe 83% against 95% without).
-        policy = l2_evict_first_policy()
         for rank in range(ws.live[0], cfg.num_experts):
             expert = ws.order[rank]
             if cutlass.const_expr(cfg.output_mode == "dense"):
                 base = c_out.iterator.toint() + Int64(expert) * expert_bytes
                 for word in range(first, words, step):
-                    store_zeros_16b(base + Int64(word) * 16, policy)
+                    store_zeros_16b(base + Int64(word) * 16)
             else:
                 if output_ptr_ok(wgrad_ptrs, expert):
                     base = wgrad_ptrs[expert]
                     for word in range(first, words, step):
-                        store_zeros_16b(base + Int64(word) * 16, policy)
+                        store_zeros_16b(base + Int64(word) * 16)
 
     def is_cluster_leader(self):
         """Whether this CTA (rank 0 of its cluster) takes the cluster's units."""

@@ -103,9 +103,10 @@ def test_the_default_overhead_problem_and_targets():
     assert ba.OVERHEAD_PROBLEM == {"hidden": 256, "intermediate": 256, "num_experts": 8,
                                    "tokens_sum": 2048}
     assert ba.OVERHEAD_TARGETS_US == {"wrapper": 20.0, "adapters": 15.0}
-    assert set(ba.OVERHEAD_TARGET_OF) >= {"wrapper", "class_execute", "torch_wgrad_out",
+    assert set(ba.OVERHEAD_TARGET_OF) == {"wrapper", "class_execute", "torch_wgrad_out",
                                           "torch_wgrad_alloc", "torch_op_into",
-                                          "cupy_wgrad_out", "jax_jit_call"}
+                                          "cupy_wgrad_out"}
+    assert "jax_jit_call" not in ba.OVERHEAD_TARGET_OF  # reported, not held to 15 us
 
 
 def test_wall_ms_and_table():

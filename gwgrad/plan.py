@@ -130,8 +130,8 @@ def compile_spec(request: StaticSpec, tokens_sum: Optional[int] = None) -> Compi
     return op
 
 
-#: Leading workspace bytes that must be zero before a launch on a fresh workspace: the grid
-#: barrier of single-launch kernels (kernels/common.py); every launch leaves them zero.
+#: Leading workspace bytes that must be zero before a launch on a fresh workspace: the prep
+#: hand-off counters of single-launch kernels (kernels/common.py); every launch leaves them zero.
 WORKSPACE_ZEROED_BYTES = 16
 
 #: Base-address alignment each operand needs (bytes); checked per launch with bit operations.

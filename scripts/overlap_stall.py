@@ -10,9 +10,10 @@ alone and beside the held SMs, as one launch (the default: the prep work inside 
 and as two (a prep kernel, then the GEMM).
 
 What to expect: a GEMM whose CTAs go on by themselves takes about alone x SMs / (SMs - k)
-beside k held SMs. A grid barrier (main's single launch until the prep hand-off, commit
-01379ae) makes every CTA wait for the ones that cannot start: the call then lasts at least
-as long as the hold.
+beside k held SMs. A grid barrier (the single launch until the prep hand-off, commit
+05eb609) makes every CTA wait for the ones that cannot start: the call then lasts at least
+as long as the hold (H200: 0.63 ms alone, 3.60 ms beside 8 held SMs with the barrier, 0.67 ms
+with the hand-off).
 
 Usage (GPU host, torch and CuPy): python scripts/overlap_stall.py [--held 0,8,32]
     [--hold-ms 3] [--reps 5] [--json out.json]

@@ -10,8 +10,8 @@ and each goes on once every expert is prepared (kernels/common.prep_handoff; no 
 another to start, so the launch is an ordinary one). With spec.launches=2 (JAX's custom call, whose
 XLA workspace is not zeroed) the prep kernel runs first instead.
 
-Invalid offsets: every thread then reads the verdict (workspace byte 4; written before the grid
-barrier, or by the prep kernel, which finished before this kernel started). When it is 0 the
+Invalid offsets: every thread then reads the verdict (workspace byte 4; written before the prep
+hand-off, or by the prep kernel, which finished before this kernel started). When it is 0 the
 whole CTA skips everything, shared-memory setup and barrier init included: no loads, no MMA,
 no store, so the output (dense or discrete, accumulated or not) keeps every byte it had.
 
@@ -71,11 +71,12 @@ docs/results/); the offsets check and the skip on invalid offsets (tests/test_st
 default, graph-captured and validate_offsets=False launches write nothing and raise naming
 offsets_tensor). tests/test_compile_sm90.py also asserts the GPU-scope CAS and system-scope
 fence of the offsets check, the prep hand-off's atomics and fences, and the verdict load and
-branch before any GEMM work. NOT YET RUN ON A GPU: the prep hand-off (session 10; it replaced a
-grid barrier behind a cooperative launch, which ran on the H200): its GPU tests are
-test_single_launch_leaves_its_workspace_ready_for_any_grid (the words back to 0, grids of 132
-and 1 CTA alternating) and test_single_launch_needs_no_resident_grid (grids of 2-3x what fits
-at once, where a grid barrier would hang). epi_buffer_sets=2
+branch before any GEMM work. The prep hand-off (session 10; it replaced a grid barrier behind
+a cooperative launch) ran on the H200 in session 11: test_single_launch_leaves_its_workspace_
+ready_for_any_grid (the words back to 0, grids of 132 and 1 CTA alternating) and
+test_single_launch_needs_no_resident_grid (grids of 2-3x what fits at once, where a grid
+barrier would hang) pass, and scripts/overlap_stall.py shows no stall beside another stream's
+kernel holding SMs. epi_buffer_sets=2
 (the default for 16-bit outputs of >= 1024 tiles per expert) and the clusters with the
 leader's unit hand-off ((1, 2): the default for FP32 outputs of short experts; (2, 1), (2, 2):
 opt-in) run on the H200 too: tests/test_sm90_kernel_gpu.py::test_pingpong_epilogue_buffer_set_per_group

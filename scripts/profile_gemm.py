@@ -2,6 +2,8 @@
 tiling; bf16 output, or FP32 accumulate with --accumulate) and the dense cuBLAS GEMM of equal
 FLOPs, each call inside an NVTX range ``prof`` (printed in launch order). Warm-up (compiles, cuBLAS
 heuristics) runs outside every range, so ncu sees exactly one call of each method per row.
+With ``--fp8 channel,1x128,mx`` it profiles gwgrad's FP8 recipes (bench/fp8.py's inputs) and the
+dense FP8 ``torch._scaled_mm`` of equal FLOPs instead.
 
     ncu --clock-control none --nvtx --nvtx-include "prof/" --section SpeedOfLight \\
         --csv --page details --log-file ncu.csv \\
@@ -72,6 +74,10 @@ def main() -> int:
     p.add_argument("--dists", default="uniform", help="comma-separated: uniform, zipf")
     p.add_argument("--accumulate", action="store_true",
                    help="gwgrad accumulates into an FP32 output (the main-grad path)")
+    p.add_argument("--fp8", default="", metavar="RECIPES",
+                   help="profile gwgrad's FP8 kernel instead (bench/fp8.py's inputs), for "
+                        "these comma-separated recipes (channel, 1x128, mx), beside the dense "
+                        "FP8 torch._scaled_mm of equal FLOPs")
     args = p.parse_args()
     if args.summarize:
         print(summarize(args.summarize))
@@ -81,6 +87,16 @@ def main() -> int:
 
     for shape in select_shapes(args.shapes, args.rows):
         for dist in args.dists.split(","):
+            if args.fp8:
+                from gwgrad.bench.fp8 import Fp8Row
+
+                inp = Fp8Row(shape, dist)
+                methods = {f"fp8_{r}": inp.runner(r) for r in args.fp8.split(",")}
+                methods["dense_fp8"] = inp.dense_fp8()
+                profile(shape, dist, inp.flops, methods)
+                del inp
+                torch.cuda.empty_cache()
+                continue
             inp = RowInputs(shape, dist, 256)
             if args.accumulate:
                 out = torch.zeros(inp.num_experts, inp.hidden, inp.intermediate,
@@ -91,26 +107,30 @@ def main() -> int:
             else:
                 methods = {"gwgrad": inp.adapter()}
             methods["dense_cublas"] = inp.dense()
-            for fn in methods.values():  # warm-up outside the ranges
-                fn()
-                fn()
-            torch.cuda.synchronize()
-            for name, fn in methods.items():
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True)
-                torch.cuda.nvtx.range_push("prof")  # ncu --nvtx-include "prof/"
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.nvtx.range_pop()
-                torch.cuda.synchronize()
-                ms = start.elapsed_time(end)
-                print(f"{shape['name']:>14} {dist:>7} {name:>16}: {ms:8.3f} ms "
-                      f"{inp.flops / ms / 1e9:7.1f} TFLOP/s (one call; ncu's figures are the "
-                      "profiled ones)", flush=True)
+            profile(shape, dist, inp.flops, methods)
             del inp
             torch.cuda.empty_cache()
     return 0
+
+
+def profile(shape, dist, flops, methods) -> None:
+    """Warm each method up outside the ranges, then call each once inside an NVTX range."""
+    for fn in methods.values():
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    for name, fn in methods.items():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.nvtx.range_push("prof")  # ncu --nvtx-include "prof/"
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.nvtx.range_pop()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end)
+        print(f"{shape['name']:>14} {dist:>7} {name:>16}: {ms:8.3f} ms "
+              f"{flops / ms / 1e9:7.1f} TFLOP/s (one call; ncu's figures are the profiled "
+              "ones)", flush=True)
 
 
 if __name__ == "__main__":

@@ -30,3 +30,19 @@ def test_tables_show_each_recipe_at_its_best_tile():
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
     assert cells[3] == "1200 (128x192)" and cells[5] == "180 (64x128)"
     assert cells[8] == "1.25" and cells[10] == "1.71" and cells[12] == "0.26"
+
+
+def test_tiles_take_tuning_fields(monkeypatch, tmp_path):
+    seen = []
+
+    def run_row(shape, dist, rounds, sample_ms, tiles):
+        seen.append(tiles)
+        return {"name": shape["name"], "dist": dist, "error": "not timed here"}
+
+    monkeypatch.setattr(fp8, "run_row", run_row)
+    assert fp8.main(["--rows", "dsv3-fc1", "--dist", "uniform", "--json",
+                     str(tmp_path / "out.json"),
+                     "--tiles", "128x128,128x192:epi_tile_n=32"]) == 0
+    assert seen == [[(128, 128), (128, 192, ("epi_tile_n", 32))]]
+    assert fp8.variant_name("1x128", seen[0][1]) == "fp8_1x128_128x192:epi_tile_n=32"
+    assert fp8.variant_name("mx", seen[0][0]) == "fp8_mx_128x128"

@@ -24,7 +24,8 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional
 
-from . import DEFAULT_SHAPES, _cumsum, _error, _rel_err, time_methods, token_counts
+from . import (DEFAULT_SHAPES, _cumsum, _error, _rel_err, config_name, parse_tile, time_methods,
+               token_counts)
 
 
 class Fp8Row:
@@ -69,9 +70,14 @@ class Fp8Row:
     def flops(self) -> float:
         return 2.0 * self.hidden * self.intermediate * self.tokens_sum
 
-    def runner(self, recipe: str, mma_tiler_mn=None) -> Callable[[], None]:
-        """gwgrad's FP8 kernel with `recipe` ("channel", "1x128", "mx") through its plan."""
+    def runner(self, recipe: str, mma_tiler_mn=None, tuning=()) -> Callable[[], None]:
+        """gwgrad's FP8 kernel with `recipe` ("channel", "1x128", "mx") through its plan;
+        ``tuning``: (StaticSpec tuning field, value) pairs replacing the default's."""
+        import dataclasses
+
         import torch
+
+        from gwgrad.plan import PlanCache, compile_spec, plan_for_spec
 
         gw = self.gwgrad
         desc = gw.as_tensor_desc
@@ -81,11 +87,15 @@ class Fp8Row:
         scale_recipe, vec = names[recipe]
         extra = {} if mma_tiler_mn is None else {"mma_tiler_mn": tuple(mma_tiler_mn),
                                                  "cluster_shape_mn": (1, 1)}
-        plan = gw.plan_for(desc(self.a, "a_tensor"), desc(self.b, "b_tensor"),
-                           desc(self.offsets, "offsets_tensor"),
-                           wgrad=desc(self.out, "wgrad_tensor"), sfa=desc(sfa, "sfa_tensor"),
-                           sfb=desc(sfb, "sfb_tensor"), sf_vec_size=vec,
-                           scale_recipe=scale_recipe, **extra)
+        descs = (desc(self.a, "a_tensor"), desc(self.b, "b_tensor"),
+                 desc(self.offsets, "offsets_tensor"), desc(self.out, "wgrad_tensor"))
+        scale_descs = {"sfa": desc(sfa, "sfa_tensor"), "sfb": desc(sfb, "sfb_tensor")}
+        plan = gw.plan_for(*descs[:3], wgrad=descs[3], sf_vec_size=vec,
+                           scale_recipe=scale_recipe, **scale_descs, **extra)
+        if tuning:
+            operator = compile_spec(dataclasses.replace(plan.spec, **dict(tuning)))
+            plan = plan_for_spec(operator, *descs, None, PlanCache(), **scale_descs,
+                                 global_scale_a=None, global_scale_b=None)
         ws = torch.zeros(max(plan.workspace_bytes, 1), dtype=torch.uint8, device="cuda")
         stream = torch.cuda.current_stream().cuda_stream
         addrs = (self.a.data_ptr(), self.b.data_ptr(), self.offsets.data_ptr(),
@@ -125,6 +135,11 @@ class Fp8Row:
         return lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
 
 
+def variant_name(recipe: str, tile: tuple) -> str:
+    """The method name of a --tiles variant (a parse_tile result): fp8_<recipe>_MxN[:f=v]."""
+    return f"fp8_{recipe}_{config_name(tile)[len('gwgrad_'):]}"
+
+
 def run_row(shape: Dict, dist: str, rounds: int, sample_ms: float, tiles: List) -> Dict:
     import torch
 
@@ -149,7 +164,7 @@ def run_row(shape: Dict, dist: str, rounds: int, sample_ms: float, tiles: List) 
     for recipe in ("channel", "1x128", "mx"):
         add(f"fp8_{recipe}", lambda r=recipe: inp.runner(r))
         for tile in tiles:
-            add(f"fp8_{recipe}_{tile[0]}x{tile[1]}", lambda r=recipe, t=tile: inp.runner(r, t))
+            add(variant_name(recipe, tile), lambda r=recipe, t=tile: inp.runner(r, t[:2], t[2:]))
     row["tiles"] = {k: "{}x{}".format(*f.tile) for k, f in fns.items() if hasattr(f, "tile")}
     add("torch_scaled_grouped_mm", inp.torch_scaled_grouped)
     add("dense_fp8", inp.dense_fp8)
@@ -253,7 +268,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rows", default="")
     p.add_argument("--dist", default="uniform,zipf")
     p.add_argument("--tiles", default="128x128",
-                   help="extra FP8 tiles timed besides the default (comma-separated MxN)")
+                   help="extra FP8 tiles timed besides the default (comma-separated MxN, or "
+                        "MxN:field=value with a tuning field, as in python -m gwgrad bench)")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--sample-ms", type=float, default=12.0)
     p.add_argument("--time-budget", type=float, default=0.0,
@@ -265,7 +281,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     with open(args.shapes) as f:
         shapes = json.load(f)["shapes"]
     wanted = [s for s in args.rows.split(",") if s]
-    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",") if t]
+    tiles = [parse_tile(t) for t in args.tiles.split(",") if t]
     rows = []
     for shape in shapes:
         if wanted and shape["name"] not in wanted:

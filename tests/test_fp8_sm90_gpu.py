@@ -221,6 +221,46 @@ def test_mxfp8_cudnn_shaped_scales(seed):
     run_case(seed, "blocked", [256, 128, 0, 384])
 
 
+def test_mxfp8_special_scale_codes(seed):
+    """E8M0 0x00 is 2^-127 (an FP32 denormal, not 0) and 0xFF is NaN: expert 0's first scale
+    column of A is 0x00 against 0xFE (2^127) in B, so those 32 tokens count with weight exactly
+    1; row 5 of expert 1's A scales holds 0xFF in its second column, so that output row is
+    NaN and every other row is not."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    counts, hidden, inter = [96, 64, 128], 128, 128
+    a, b, a_parts, b_parts = operands(hidden, inter, counts, "e4m3", "e4m3", "tensor2d", gen)
+    raws_a = [rng.integers(122, 131, size=(hidden, -(-c // 32)), dtype=np.uint8) for c in counts]
+    raws_b = [rng.integers(122, 131, size=(inter, -(-c // 32)), dtype=np.uint8) for c in counts]
+    raws_a[0][:, 0] = 0x00
+    raws_b[0][:, 0] = 0xFE
+    raws_a[1][5, 1] = 0xFF
+    capacity = S.columns_needed(counts, (32, 4))
+    sfa = blocked_scales(raws_a, hidden, capacity)
+    sfb = blocked_scales(raws_b, inter, capacity)
+    offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device="cuda")
+    buf, out = guarded((3, hidden, inter), torch.float32,
+                       torch.full((3, hidden, inter), float("nan"), device="cuda"))
+    gwgrad.grouped_gemm_wgrad(a, b, sfa, sfb, offs, wgrad_tensor=out, sf_vec_size=32)
+    torch.cuda.synchronize()
+    gwgrad.check_errors()
+    assert guards_intact(buf), "memory around the output was written"
+    for x, c in enumerate(counts):
+        k = np.arange(c) // 32
+        va = np.ldexp(1.0, raws_a[x].astype(np.int64) - 127)[:, k]
+        vb = np.ldexp(1.0, raws_b[x].astype(np.int64) - 127)[:, k]
+        va[raws_a[x][:, k] == 0xFF] = np.nan
+        ref = ((a_parts[x] * torch.from_numpy(va).cuda())
+               @ (b_parts[x] * torch.from_numpy(vb).cuda().t()))
+        got = out[x].double()
+        nan_rows = torch.isnan(ref).all(dim=1)
+        assert torch.equal(torch.isnan(got), torch.isnan(ref)), f"expert {x}: NaN pattern differs"
+        assert int(nan_rows.sum()) == (1 if x == 1 else 0)
+        keep = ~nan_rows
+        err = (got[keep] - ref[keep]).norm().item() / ref[keep].norm().item()
+        assert err <= 2e-3, f"expert {x}: relative error {err:.2e}"
+
+
 def test_scales_too_small_write_nothing(seed):
     """Counts of 32 with cuDNN-sized scale tensors: the experts' chunks need more columns than
     the tensors hold; the device check refuses, the output keeps every byte."""

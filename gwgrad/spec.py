@@ -56,6 +56,12 @@ class StaticSpec:
     # first 16 bytes are zero before its first use, which gwgrad's own workspaces are). Not
     # tuning: JAX's custom call asks for 2 (XLA's workspace is not zeroed).
     launches: int = 0
+    # The K split (tuning; SM90 BF16 with 1x1 clusters; 0: off): an expert of more than this
+    # many tokens (a multiple of 64) runs as chunks of it, at most 8 (longer chunks where 8
+    # would not cover it), each chunk's units adding into the output tiles after the chunk
+    # before it: a fixed order, so results are the same run to run. With a 16-bit output each
+    # chunk's partial sum is rounded to it before the add.
+    split_tokens: int = 0
 
     @property
     def is_block_scaled(self) -> bool:

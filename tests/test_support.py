@@ -9,7 +9,8 @@ import itertools
 
 import pytest
 
-from gwgrad.kernels.tiling import PROBLEMS, SM90_TILES, epi_buffer_sets_problem
+from gwgrad.kernels.tiling import (PROBLEMS, SM90_TILES, epi_buffer_sets_problem,
+                                   split_tokens_problem)
 
 TILES = list(itertools.product((64, 128, 256), (64, 96, 128, 160, 192, 224, 256)))
 CLUSTERS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
@@ -215,3 +216,28 @@ def test_launches_per_call():
             (spec("sm_90a"), 3, r"^launches: expected 1 or 2 kernel launches per call, got 3")):
         with pytest.raises(ValueError, match=match):
             finalize_spec(dataclasses.replace(request, launches=launches))
+
+
+@pytest.mark.parametrize("arch,split,cluster,ok", [
+    ("sm_90a", 512, (1, 1), True), ("sm_90a", 0, (1, 2), True), ("cpu", 4096, (1, 1), True),
+    ("sm_90a", 100, (1, 1), False), ("sm_90a", -64, (1, 1), False),
+    ("sm_90a", 512, (1, 2), False), ("sm_100a", 512, (1, 1), False), ("cpu", 96, (1, 1), False),
+])
+def test_split_tokens_one_predicate(arch, split, cluster, ok):
+    """spec.split_tokens (the K split): tiling.split_tokens_problem decides for the SM90 and
+    SM100 kernels and the CPU reference alike; what it refuses is a ValueError naming
+    split_tokens (the compile test of what it accepts: tests/test_compile_sm90.py)."""
+    import dataclasses
+
+    from gwgrad.backends import finalize_spec
+
+    assert (split_tokens_problem(split, cluster, False, arch) is None) == ok
+    assert split_tokens_problem(512, (1, 1), True, "sm_90a") is not None  # block-scaled
+    if arch != "cpu":
+        pytest.importorskip("cutlass")
+    request = dataclasses.replace(_spec(arch, (128, 128), cluster), split_tokens=split)
+    if ok:
+        assert finalize_spec(request)[0].split_tokens == split
+    else:
+        with pytest.raises(ValueError, match=r"^split_tokens: expected"):
+            finalize_spec(request)

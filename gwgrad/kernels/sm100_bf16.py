@@ -118,7 +118,8 @@ from .common import (
     tma_desc_ptr_for_copy,
     token_origin,
 )
-from .tiling import epi_buffer_sets_problem, sm100_cta_tile_m, sm100_problem
+from .tiling import (epi_buffer_sets_problem, sm100_cta_tile_m, sm100_problem,
+                     split_tokens_problem)
 
 SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_100")  # 227 KiB per CTA
 CLC_RESPONSE_BYTES = 16
@@ -179,7 +180,9 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         problem = sm100_problem(tuple(mma_tiler_mn), (cfg.cluster_m, cfg.cluster_n))
         if problem is not None:
             return problem
-        problem = epi_buffer_sets_problem(cfg.epi_buffer_sets, None)
+        problem = (epi_buffer_sets_problem(cfg.epi_buffer_sets, None)
+                   or split_tokens_problem(cfg.split_tokens, (cfg.cluster_m, cfg.cluster_n),
+                                           bool(cfg.scale_recipe), "sm_100a"))
         if problem is not None:
             return problem
         if (cfg.tile_m != sm100_cta_tile_m(mma_tiler_mn) * cfg.cluster_m

@@ -66,6 +66,29 @@ def epi_buffer_sets_problem(sets: int, schedule: Optional[str]) -> Optional[Tupl
                                f"buffers per consumer group), got {sets}")
 
 
+#: K split: chunks are a multiple of the BF16 kernel's 64-token K tile.
+SPLIT_TOKENS_MULTIPLE = 64
+
+
+def split_tokens_problem(split_tokens: int, cluster_shape_mn: Pair, block_scaled: bool,
+                         arch: str = "sm_90a") -> Optional[Tuple[str, str]]:
+    """(argument, detail) unless the K split of ``split_tokens`` (0: off) runs: the SM90 BF16
+    kernel with 1x1 clusters, chunks a multiple of its 64-token K tile."""
+    if not split_tokens:
+        return None
+    if split_tokens < 0 or split_tokens % SPLIT_TOKENS_MULTIPLE:
+        return "split_tokens", (f"expected 0 (no K split) or a positive multiple of "
+                                f"{SPLIT_TOKENS_MULTIPLE}, got {split_tokens}")
+    if block_scaled or arch not in ("sm_90a", "cpu"):
+        what = "block-scaled inputs" if block_scaled else arch
+        return "split_tokens", (f"expected 0: the K split runs in the SM90 BF16 kernel only, "
+                                f"not for {what}; got {split_tokens}")
+    if tuple(cluster_shape_mn) != (1, 1):
+        return "split_tokens", (f"expected 0 with a {tuple(cluster_shape_mn)} cluster (the K "
+                                f"split runs with 1x1 clusters), got {split_tokens}")
+    return None
+
+
 def any_gpu_epi_buffer_sets_problem(sets: int, mma_tiler_mn: Pair,
                                     block_scaled: bool) -> Optional[Tuple[str, str]]:
     """epi_buffer_sets_problem for the SM90 kernel of the family that runs ``mma_tiler_mn``

@@ -66,10 +66,16 @@ def float_from_bits(bits: Int32, *, loc=None, ip=None) -> Float32:
 
 
 @cute.jit
-def e8m0_value(code: Int32) -> Float32:
-    """2^(code-127) for an E8M0 code (0..255): 0x00 is 2^-127 (an FP32 denormal), 0xFF NaN."""
-    special = Int32(code == 0) | Int32(code == 255)
-    return float_from_bits((code << 23) | (special << 22))
+def e8m0_byte_value(word: Int32, byte: cutlass.Constexpr) -> Float32:
+    """2^(code-127) for the E8M0 code in byte `byte` of `word`: the code shifted straight into
+    FP32's exponent field (one shift and one mask), then the two codes that are no power of two
+    there: 0x00 is 2^-127 (an FP32 denormal, 0x00400000) and 0xFF NaN (0x7FC00000), each the
+    masked bits with bit 22 set."""
+    shift = 23 - 8 * byte
+    moved = word >> -shift if shift < 0 else word << shift
+    bits = moved & 0x7F800000
+    special = Int32(bits == 0) | Int32(bits == 0x7F800000)
+    return float_from_bits(bits | (special << 22))
 
 
 @cute.jit
@@ -335,8 +341,7 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
                     warpgroup.wait_group(0)
                     for i in cutlass.range_constexpr(cute.size(acc)):
                         word_a, word_b = words[i]
-                        scale = (e8m0_value((word_a >> (8 * kb)) & 255)
-                                 * e8m0_value((word_b >> (8 * kb)) & 255))
+                        scale = e8m0_byte_value(word_a, kb) * e8m0_byte_value(word_b, kb)
                         acc[i] = acc[i] + tmp[i] * scale
             else:
                 warpgroup.fence()

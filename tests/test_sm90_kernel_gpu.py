@@ -157,7 +157,7 @@ def test_single_launch_needs_no_resident_grid(monkeypatch, factor, tiling):
         out.fill_(float("nan"))
 
 
-SPLIT_CASES = [  # (tiling, major / order / mode / out / accumulate)
+K_SPLIT_CASES = [  # (tiling, major / order / mode / out / accumulate)
     (((128, 128), (1, 1)), dict()),
     (((128, 256), (1, 1)), dict()),
     (((128, 128), (1, 1)), dict(out=torch.float32, acc=True)),
@@ -167,7 +167,7 @@ SPLIT_CASES = [  # (tiling, major / order / mode / out / accumulate)
 ]
 
 
-@pytest.mark.parametrize("case", range(len(SPLIT_CASES)))
+@pytest.mark.parametrize("case", range(len(K_SPLIT_CASES)))
 @pytest.mark.parametrize("grid", [0, 1], ids=["resident_grid", "one_cta"])
 def test_k_split(monkeypatch, case, grid):
     """spec.split_tokens=512: experts of 520-4600 tokens run as 2-8 chunks (one expert needs
@@ -182,7 +182,7 @@ def test_k_split(monkeypatch, case, grid):
     from gwgrad.backends import _cutedsl
     from gwgrad.backends.base import LaunchArgs
 
-    tiling, kw = SPLIT_CASES[case]
+    tiling, kw = K_SPLIT_CASES[case]
     seed = 1000 + case
     spec = dataclasses.replace(make_spec("sm_90a", 256, 384, 6, tiling=(*tiling, 1), **kw),
                                split_tokens=512)

@@ -90,11 +90,6 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
     def __init__(self, cfg: ProblemConfig):
         super().__init__(cfg)
         self.recipe = cfg.scale_recipe
-        # 1x128: read a stage's scales before waiting for its WGMMAs where the registers
-        # allow (at most 64 accumulators per thread, e.g. 128x128 cooperative; 128x192 would
-        # need 96 + 96 + 50 and spill).
-        acc_per_thread = cfg.tile_m * cfg.tile_n // (128 if cfg.schedule == "pingpong" else 256)
-        self.scales_before_wait = acc_per_thread <= 64
 
     @staticmethod
     def can_implement(cfg: ProblemConfig):
@@ -355,25 +350,12 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
                     cute.gemm(tiled_mma, tmp, tCrA[(None, None, kb, stage)],
                               tCrB[(None, None, kb, stage)], tmp)
                 warpgroup.commit_group()
-                early = []
-                if cutlass.const_expr(self.recipe == BLOCK_1X128 and self.scales_before_wait):
-                    # The stage's scales are read while the WGMMAs run (the compiler keeps one
-                    # load per distinct row and column), so the promotion after the wait does
-                    # not start with shared-memory latency.
-                    sSFA, sSFB = smem_scales
-                    for i in cutlass.range_constexpr(cute.size(acc)):
-                        m, n = coords[i]
-                        early.append((sSFA[(m, 0, stage)], sSFB[(n, 0, stage)]))
                 warpgroup.wait_group(0)
                 if cutlass.const_expr(self.recipe == BLOCK_1X128):
                     sSFA, sSFB = smem_scales
                     for i in cutlass.range_constexpr(cute.size(acc)):
                         m, n = coords[i]
-                        if cutlass.const_expr(self.scales_before_wait):
-                            scale_a, scale_b = early[i]
-                        else:
-                            scale_a, scale_b = sSFA[(m, 0, stage)], sSFB[(n, 0, stage)]
-                        acc[i] = acc[i] + tmp[i] * (scale_a * scale_b)
+                        acc[i] = acc[i] + tmp[i] * (sSFA[(m, 0, stage)] * sSFB[(n, 0, stage)])
                 else:
                     for i in cutlass.range_constexpr(cute.size(acc)):
                         acc[i] = acc[i] + tmp[i]

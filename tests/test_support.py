@@ -241,3 +241,22 @@ def test_split_tokens_one_predicate(arch, split, cluster, ok):
     else:
         with pytest.raises(ValueError, match=r"^split_tokens: expected"):
             finalize_spec(request)
+
+
+@pytest.mark.parametrize("recipe,intermediate,tokens_per_expert,tile", [
+    ("per_expert_channel", 768, 2048, (128, 192)), ("block_1x128", 768, 256, (128, 192)),
+    ("per_expert_channel", 128, 2048, (128, 128)), ("blocked", 768, 2048, (128, 128)),
+    ("blocked", 768, 513, (128, 128)), ("blocked", 768, 512, (64, 128)),
+    ("blocked", 768, None, (128, 128)),
+])
+def test_fp8_sm90_default_tiling(recipe, intermediate, tokens_per_expert, tile):
+    """The SM90 FP8 defaults (measured, backends/fp8_sm90.py): 128x192 for the channel and
+    1x128 recipes (128x128 on outputs of one 128-column tile); MXFP8 128x128, or the pingpong
+    64x128 when the call's experts average <= 512 tokens (tokens unknown: 128x128)."""
+    from gwgrad.backends import finalize_spec
+    from kernel_compile import fp8_spec
+
+    request = fp8_spec("sm_90a", recipe, intermediate=intermediate)
+    tokens = None if tokens_per_expert is None else tokens_per_expert * request.num_experts
+    spec, _ = finalize_spec(request, tokens)
+    assert (spec.mma_tiler_mn, spec.cluster_shape_mn) == (tile, (1, 1))

@@ -35,8 +35,9 @@ def test_tables_show_each_recipe_at_its_best_tile():
 def test_tiles_take_tuning_fields(monkeypatch, tmp_path):
     seen = []
 
-    def run_row(shape, dist, rounds, sample_ms, tiles):
+    def run_row(shape, dist, rounds, sample_ms, tiles, recipes, fp8_only):
         seen.append(tiles)
+        assert recipes == fp8.RECIPES and not fp8_only
         return {"name": shape["name"], "dist": dist, "error": "not timed here"}
 
     monkeypatch.setattr(fp8, "run_row", run_row)
@@ -46,3 +47,23 @@ def test_tiles_take_tuning_fields(monkeypatch, tmp_path):
     assert seen == [[(128, 128), (128, 192, ("epi_tile_n", 32))]]
     assert fp8.variant_name("1x128", seen[0][1]) == "fp8_1x128_128x192:epi_tile_n=32"
     assert fp8.variant_name("mx", seen[0][0]) == "fp8_mx_128x128"
+
+
+def test_recipes_and_fp8_only(monkeypatch, tmp_path):
+    """--recipes picks gwgrad's FP8 recipes, --fp8-only leaves out BF16 and torch (an A/B of
+    FP8 variants alone); an unknown recipe is an error naming --recipes."""
+    import pytest
+
+    seen = []
+
+    def run_row(shape, dist, rounds, sample_ms, tiles, recipes, fp8_only):
+        seen.append((recipes, fp8_only))
+        return {"name": shape["name"], "dist": dist, "error": "not timed here"}
+
+    monkeypatch.setattr(fp8, "run_row", run_row)
+    out = str(tmp_path / "out.json")
+    assert fp8.main(["--rows", "dsv3-fc1", "--dist", "uniform", "--json", out,
+                     "--recipes", "mx", "--fp8-only"]) == 0
+    assert seen == [(("mx",), True)]
+    with pytest.raises(SystemExit):
+        fp8.main(["--rows", "dsv3-fc1", "--json", out, "--recipes", "mx,fp4"])

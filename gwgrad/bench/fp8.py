@@ -140,7 +140,15 @@ def variant_name(recipe: str, tile: tuple) -> str:
     return f"fp8_{recipe}_{config_name(tile)[len('gwgrad_'):]}"
 
 
-def run_row(shape: Dict, dist: str, rounds: int, sample_ms: float, tiles: List) -> Dict:
+RECIPES = ("channel", "1x128", "mx")
+
+
+def run_row(shape: Dict, dist: str, rounds: int, sample_ms: float, tiles: List,
+            recipes=RECIPES, fp8_only: bool = False) -> Dict:
+    """One row's methods timed together. ``recipes``: gwgrad's FP8 recipes to time (each at
+    its default tile and every ``tiles`` variant); ``fp8_only``: leave out gwgrad BF16 and
+    torch's methods (an A/B of gwgrad's FP8 variants alone: each method then follows one of
+    its kind in the round-robin, so that a competitor's power draw biases none of them)."""
     import torch
 
     row = {"name": shape["name"], "dist": dist, **{k: shape[k] for k in (
@@ -160,14 +168,16 @@ def run_row(shape: Dict, dist: str, rounds: int, sample_ms: float, tiles: List) 
         except Exception as exc:  # noqa: BLE001 - recorded, the row goes on
             meth[name] = {"error": _error(exc)}
 
-    add("gwgrad_bf16", inp.bf16)
-    for recipe in ("channel", "1x128", "mx"):
+    if not fp8_only:
+        add("gwgrad_bf16", inp.bf16)
+    for recipe in recipes:
         add(f"fp8_{recipe}", lambda r=recipe: inp.runner(r))
         for tile in tiles:
             add(variant_name(recipe, tile), lambda r=recipe, t=tile: inp.runner(r, t[:2], t[2:]))
     row["tiles"] = {k: "{}x{}".format(*f.tile) for k, f in fns.items() if hasattr(f, "tile")}
-    add("torch_scaled_grouped_mm", inp.torch_scaled_grouped)
-    add("dense_fp8", inp.dense_fp8)
+    if not fp8_only:
+        add("torch_scaled_grouped_mm", inp.torch_scaled_grouped)
+        add("dense_fp8", inp.dense_fp8)
     # Correctness: the channel recipe against torch._scaled_grouped_mm (same semantics).
     if "fp8_channel" in fns and "torch_scaled_grouped_mm" in fns:
         try:
@@ -270,6 +280,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--tiles", default="128x128",
                    help="extra FP8 tiles timed besides the default (comma-separated MxN, or "
                         "MxN:field=value with a tuning field, as in python -m gwgrad bench)")
+    p.add_argument("--recipes", default=",".join(RECIPES),
+                   help="gwgrad's FP8 recipes to time (comma-separated: channel, 1x128, mx)")
+    p.add_argument("--fp8-only", action="store_true",
+                   help="time gwgrad's FP8 recipes and variants alone (no BF16, no torch)")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--sample-ms", type=float, default=12.0)
     p.add_argument("--time-budget", type=float, default=0.0,
@@ -282,6 +296,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         shapes = json.load(f)["shapes"]
     wanted = [s for s in args.rows.split(",") if s]
     tiles = [parse_tile(t) for t in args.tiles.split(",") if t]
+    recipes = tuple(r for r in args.recipes.split(",") if r)
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown or not recipes:
+        p.error(f"--recipes: expected some of {', '.join(RECIPES)}, got {args.recipes!r}")
     rows = []
     for shape in shapes:
         if wanted and shape["name"] not in wanted:
@@ -291,7 +309,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 rows.append({"name": shape["name"], "dist": dist,
                              "error": "skipped: --time-budget spent"})
                 continue
-            rows.append(run_row(shape, dist, args.rounds, args.sample_ms, tiles))
+            rows.append(run_row(shape, dist, args.rounds, args.sample_ms, tiles, recipes,
+                                args.fp8_only))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
             with open(args.json, "w") as f:
                 json.dump({"rows": rows}, f, indent=1)

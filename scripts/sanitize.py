@@ -185,8 +185,8 @@ def cases() -> List[SanCase]:
               "discrete fp32", f16, recipe="block_1x128", a_fmt="e5m2", order="tensor_ragged",
               mode="discrete", out_dtype="float32", tools=RACE, **fp8),
         _gemm("fp8_blocked_dense_bf16", "MXFP8 blocked e4m3, dense bf16, cooperative 128x128 "
-              "(the default from 512 tokens per expert)", f32, recipe="blocked",
-              tiling=(128, 128), tools=RACE, **fp8),
+              "(the default is the pingpong 64x128: fp8_blocked_tile_64x128)", f32,
+              recipe="blocked", tiling=(128, 128), tools=RACE, **fp8),
         _gemm("fp8_blocked_ragged_discrete_acc_fp32_e5m2", "MXFP8 e5m2, tensor_ragged, discrete, "
               "accumulate fp32, global scales", f32, recipe="blocked", a_fmt="e5m2",
               b_fmt="e5m2", order="tensor_ragged", mode="discrete", out_dtype="float32",

@@ -11,10 +11,6 @@ from ..kernels.tiling import SM90_FP8_TILES, sm90_fp8_problem
 from ..spec import StaticSpec
 from . import _cutedsl
 
-#: MXFP8 tokens per expert (average) up to which the pingpong 64x128 tile is the default.
-MX_SHORT_EXPERT_TOKENS = 512
-
-
 class Fp8Sm90Backend(_cutedsl.CuteDslBackend):
     name = "fp8_sm90"
 
@@ -30,23 +26,16 @@ class Fp8Sm90Backend(_cutedsl.CuteDslBackend):
     def default_tiling(self, spec: StaticSpec):
         # Measured on the H200 (dsv3-fc1, channel scales): 128x192 1103 TFLOP/s, 128x128
         # 1015; pingpong 64-row tiles are slower for the channel and 1x128 recipes (0.6-0.75x,
-        # docs/results/h200_bench_fp8_tiles.json). MXFP8 (its per-32-token promotion on the CUDA
-        # cores): 128x128 against the pingpong 64x128 on the rows of >= 1024 tokens per expert,
-        # 0.97-1.20x in session 11 (11 of 12 rows faster) and 1.00-1.18x in session 12 after the
-        # E8M0 decode was cut to one shift and mask (docs/results/h200_bench_fp8*.json); 64x192
-        # spills. Short experts: tiling_for_tokens.
-        if spec.intermediate <= 128 or spec.scale_recipe == "blocked":
+        # docs/results/h200_bench_fp8_tiles.json). MXFP8 keeps the pingpong 64x128 (one
+        # group's per-32-token promotion beside the other's WGMMAs): timed alone against
+        # 128x128 in both orders (session 12, docs/results/h200_fp8_mx_tiles_ab*.json), it is
+        # 0.97-1.03x on the rows of >= 1024 tokens per expert and 1.02-1.09x on dsv2lite-fc1
+        # and fine-256e; 64x192 spills.
+        if spec.scale_recipe == "blocked":
+            return (64, 128), (1, 1)
+        if spec.intermediate <= 128:
             return (128, 128), (1, 1)
         return (128, 192), (1, 1)
-
-    def tiling_for_tokens(self, spec: StaticSpec, tokens_sum: int):
-        # MXFP8 with <= MX_SHORT_EXPERT_TOKENS tokens per expert on average: the pingpong
-        # 64x128 (one group's promotion beside the other's WGMMAs) ran 0.99-1.08x 128x128 on
-        # dsv2lite-fc1 and fine-256e (512 and 256 tokens per expert) in the same two runs.
-        if (spec.scale_recipe == "blocked"
-                and tokens_sum <= MX_SHORT_EXPERT_TOKENS * spec.num_experts):
-            return (64, 128), (1, 1)
-        return None
 
     def default_tuning(self, spec: StaticSpec):
         return 16, (64 if spec.wgrad_dtype.itemsize == 2 else 32)

@@ -218,13 +218,26 @@ def test_run_row_end_to_end_on_the_cpu():
     assert "check_failed" not in row and set(row["rel_err"]) == {"gwgrad", "adapter", "wrapper"}
 
 
-def test_each_round_starts_one_method_later():
-    names = ["a", "b", "c"]
-    orders = [bench.round_order(names, r) for r in range(6)]
-    assert orders[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
-    assert orders[3:] == orders[:3] and bench.round_order([], 4) == []
-    for i in range(3):  # every method in every position equally often
-        assert sorted(order[i] for order in orders) == ["a", "a", "b", "b", "c", "c"]
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 9, 10])
+def test_round_orders_balance_positions_and_predecessors(n):
+    """Over one cycle of rounds (n for an even n, 2n for an odd one) every method takes every
+    position equally often and follows every other method equally often, and the cycle
+    repeats (a rotation balanced the positions but gave each method one fixed predecessor)."""
+    import collections
+
+    names = [f"m{i}" for i in range(n)]
+    cycle = n if n % 2 == 0 else 2 * n
+    orders = [bench.round_order(names, r) for r in range(2 * cycle)]
+    assert orders[cycle:] == orders[:cycle]
+    orders = orders[:cycle]
+    assert all(sorted(order) == names for order in orders)
+    for pos in range(n):
+        assert collections.Counter(o[pos] for o in orders) == {m: cycle // n for m in names}
+    pairs = collections.Counter((o[i], o[i + 1]) for o in orders for i in range(n - 1))
+    if n > 1:
+        want = cycle * (n - 1) // (n * (n - 1))
+        assert pairs == {(a, b): want for a in names for b in names if a != b}
+    assert bench.round_order([], 4) == []
 
 
 def test_a_gwgrad_only_sweep_times_the_kernel_variants_alone():

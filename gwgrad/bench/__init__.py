@@ -119,13 +119,36 @@ def _error(exc: BaseException) -> str:
 # ----------------------------------------------------------------------------------------
 
 
+def williams_rows(n: int) -> List[List[int]]:
+    """A Williams design for n methods: rows (one per round) in which every method takes
+    every position equally often and follows every other method equally often (n rows for
+    an even n, 2n for an odd one). Row i is the base sequence 0, 1, n-1, 2, n-2, ... plus i
+    (mod n); an odd n also takes each row reversed."""
+    if n <= 0:
+        return [[]]
+    base, lo, hi = [0], 1, n - 1
+    while len(base) < n:
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    rows = [[(b + i) % n for b in base] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return rows
+
+
 def round_order(names: List[str], r: int) -> List[str]:
-    """The methods' order in round ``r``: each round starts one method later, so over the
-    rounds every method takes every position equally often (a fixed order let the position
-    bias a method's time by a few percent on the H200: the first sample of a round follows
-    the round's synchronize)."""
-    shift = r % len(names) if names else 0
-    return names[shift:] + names[:shift]
+    """The methods' order in round ``r``: row r of a Williams design (williams_rows), so that
+    over the rounds every method takes every position, and follows every other method,
+    equally often. A fixed order let the position bias a method's time by a few percent on
+    the H200 (the first sample of a round follows the round's synchronize); rotating it
+    (session 5 to 11) balanced the positions but gave each method the same predecessor in
+    every round, which biased it by up to 13-25% when that predecessor drew more power (an
+    MXFP8 kernel after a tensor-bound FP8 one, docs/PERF_NOTES.md session 12)."""
+    rows = williams_rows(len(names))
+    return [names[i] for i in rows[r % len(rows)]]
 
 
 def time_interleaved(fns: Dict[str, object], rounds: int = 12, sample_ms: float = 15.0,

@@ -59,10 +59,12 @@ producer hands out the live experts' chunks' units and publishes each unit's chu
 word; the store warp of a later chunk waits for the tile's flag before its first TMA reduce-add
 (wait_turn) and every chunk of a split expert counts itself after its TMA ops completed in
 global memory (pass_turn: wait_group 0, async-proxy fence, release). With a 16-bit output each
-chunk's partial sum is rounded before the add. NOT YET RUN ON A GPU: compile- and
-PTX-checked (tests/test_compile_sm90.py::test_k_split_compiles); its GPU test is
+chunk's partial sum is rounded before the add. Verified on the H200 (session 12):
 tests/test_sm90_kernel_gpu.py::test_k_split (every mode, a second call bit-equal, one CTA
-running every unit).
+running every unit); with the split off, every earlier GPU test, the fuzz, the sanitizers and
+the soak pass on this code. Compile- and PTX-checked by
+tests/test_compile_sm90.py::test_k_split_compiles. Off by default: it bought nothing on the
+bench rows (docs/PERF_NOTES.md, session 12).
 
 Pipelines: `ab` (TMA -> WGMMA, mbarriers with transaction counts), `sched` (unit ids, producer
 warp -> all consumer threads), and the TMA store of the epilogue (bulk async groups).

@@ -178,14 +178,17 @@ for s in $steps; do
       # cuBLAS GEMM of equal FLOPs (SpeedOfLight, + the tensor pipe's active share: on the
       # H200's ncu, sm__pipe_tensor_cycles_active counts HGMMA; added where ncu lists it).
       # GWGRAD_NCU_ROWS, GWGRAD_NCU_DISTS (default uniform; e.g. uniform,zipf),
-      # GWGRAD_NCU_ACCUMULATE=1: which calls are profiled.
+      # GWGRAD_NCU_ACCUMULATE=1: which calls are profiled. GWGRAD_NCU_EXTRA: more ncu
+      # arguments, e.g. the warp stall breakdown: "--section WarpStateStats --print-details all"
+      # (session 12's profile without --print-details had no per-reason table).
       step ncu 240 || continue
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
       TENSOR=sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active
       METRICS=""
       "$NCU" --query-metrics 2>/dev/null | grep -q "^${TENSOR%%.*} " && METRICS="--metrics $TENSOR"
       capture "$NCU" --clock-control none --nvtx --nvtx-include "prof/" --section SpeedOfLight \
-        $METRICS --csv --page details --log-file "$OUT/ncu.csv" "$PY" scripts/profile_gemm.py \
+        $METRICS ${GWGRAD_NCU_EXTRA-} --csv --page details --log-file "$OUT/ncu.csv" \
+        "$PY" scripts/profile_gemm.py \
         --rows "${GWGRAD_NCU_ROWS:-dsv3-fc1,qwen3-30b-fc1,qwen3-30b-fc2,gptoss-fc1,dsv2lite-fc1,fine-256e}" \
         --dists "${GWGRAD_NCU_DISTS:-uniform}" ${GWGRAD_NCU_ACCUMULATE:+--accumulate}
       cat "$OUT/step.txt"

@@ -65,5 +65,11 @@ def test_recipes_and_fp8_only(monkeypatch, tmp_path):
     assert fp8.main(["--rows", "dsv3-fc1", "--dist", "uniform", "--json", out,
                      "--recipes", "mx", "--fp8-only"]) == 0
     assert seen == [(("mx",), True)]
+    seen.clear()
+    monkeypatch.setattr(fp8, "run_row", lambda shape, dist, rounds, sample_ms, tiles, *a: (
+        seen.append(tiles) or {"name": shape["name"], "dist": dist, "error": "not timed"}))
+    assert fp8.main(["--rows", "dsv3-fc1", "--dist", "uniform", "--json", out,
+                     "--tiles", " "]) == 0  # a blank --tiles: no variants
+    assert seen == [[]]
     with pytest.raises(SystemExit):
         fp8.main(["--rows", "dsv3-fc1", "--json", out, "--recipes", "mx,fp4"])

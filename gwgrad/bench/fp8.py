@@ -295,7 +295,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     with open(args.shapes) as f:
         shapes = json.load(f)["shapes"]
     wanted = [s for s in args.rows.split(",") if s]
-    tiles = [parse_tile(t) for t in args.tiles.split(",") if t]
+    tiles = [parse_tile(t.strip()) for t in args.tiles.split(",") if t.strip()]
     recipes = tuple(r for r in args.recipes.split(",") if r)
     unknown = [r for r in recipes if r not in RECIPES]
     if unknown or not recipes:

@@ -178,14 +178,21 @@ for s in $steps; do
       # cuBLAS GEMM of equal FLOPs (SpeedOfLight, + the tensor pipe's active share: on the
       # H200's ncu, sm__pipe_tensor_cycles_active counts HGMMA; added where ncu lists it).
       # GWGRAD_NCU_ROWS, GWGRAD_NCU_DISTS (default uniform; e.g. uniform,zipf),
-      # GWGRAD_NCU_ACCUMULATE=1: which calls are profiled. GWGRAD_NCU_EXTRA: more ncu
-      # arguments, e.g. the warp stall breakdown: "--section WarpStateStats --print-details all"
-      # (session 12's profile without --print-details had no per-reason table).
+      # GWGRAD_NCU_ACCUMULATE=1: which calls are profiled. GWGRAD_NCU_STALLS=1: also every
+      # per-reason warp stall metric ncu lists (the summary prints the largest; session 12's
+      # WarpStateStats section alone had no per-reason figures). GWGRAD_NCU_EXTRA: more ncu
+      # arguments.
       step ncu 240 || continue
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
       TENSOR=sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active
       METRICS=""
-      "$NCU" --query-metrics 2>/dev/null | grep -q "^${TENSOR%%.*} " && METRICS="--metrics $TENSOR"
+      QUERY=$("$NCU" --query-metrics 2>/dev/null)
+      echo "$QUERY" | grep -q "^${TENSOR%%.*} " && METRICS="--metrics $TENSOR"
+      if [ -n "${GWGRAD_NCU_STALLS-}" ]; then  # every per-reason warp stall metric ncu lists
+        STALLS=$(echo "$QUERY" | grep -oE "^smsp__average_warps_issue_stalled_[a-z_]+_per_issue_active" \
+          | sed 's/$/.ratio/' | paste -sd, -)
+        [ -n "$STALLS" ] && METRICS="${METRICS:---metrics }${METRICS:+,}$STALLS"
+      fi
       capture "$NCU" --clock-control none --nvtx --nvtx-include "prof/" --section SpeedOfLight \
         $METRICS ${GWGRAD_NCU_EXTRA-} --csv --page details --log-file "$OUT/ncu.csv" \
         "$PY" scripts/profile_gemm.py \

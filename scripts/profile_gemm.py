@@ -12,7 +12,8 @@ dense FP8 ``torch._scaled_mm`` of equal FLOPs instead.
 
 ``bash scripts/gpu_run.sh ncu`` runs it on the rows below the dense ceiling and the two
 small-expert rows (GWGRAD_NCU_ROWS / GWGRAD_NCU_DISTS / GWGRAD_NCU_ACCUMULATE change that) and keeps the CSV
-and a per-kernel summary (duration, SM / DRAM throughput, tensor-pipe share) under $OUT.
+and a per-kernel summary (duration, SM / DRAM throughput, tensor-pipe share; with
+GWGRAD_NCU_STALLS=1 also the largest warp stall reasons) under $OUT.
 Without ncu it prints each method's time from CUDA events (a check that the target runs).
 """
 import argparse
@@ -37,6 +38,20 @@ _TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "ms
           "s": 1e6, "second": 1e6}
 
 
+#: ncu's per-reason warp stall metrics (WarpStateStats): warps stalled for that reason per
+#: issued instruction, ``smsp__average_warps_issue_stalled_<reason>_per_issue_active.ratio``.
+STALL_PREFIX = "smsp__average_warps_issue_stalled_"
+STALL_SUFFIX = "_per_issue_active.ratio"
+STALL_TOP = 5
+
+
+def stall_reason(metric: str):
+    """The reason of a warp stall metric name (e.g. "long_scoreboard"), or None."""
+    if metric.startswith(STALL_PREFIX) and metric.endswith(STALL_SUFFIX):
+        return metric[len(STALL_PREFIX):-len(STALL_SUFFIX)]
+    return None
+
+
 def summarize(path: str) -> str:
     """One line per profiled kernel of an ncu ``--csv --page details`` report, in launch
     order: its name, duration and the throughput figures (percent of peak)."""
@@ -50,7 +65,11 @@ def summarize(path: str) -> str:
         for r in rows:
             k = kernels.setdefault(r[col["ID"]], {"name": r[col["Kernel Name"]]})
             metric, unit = r[col["Metric Name"]], r[col["Metric Unit"]]
-            if metric in METRICS:
+            stall = stall_reason(metric)
+            if stall is not None:
+                k.setdefault("stalls", {})[stall] = float(
+                    r[col["Metric Value"]].replace(",", ""))
+            elif metric in METRICS:
                 value = float(r[col["Metric Value"]].replace(",", ""))
                 if METRICS[metric] == "us":
                     value *= _TO_US.get(unit, float("nan"))
@@ -62,6 +81,14 @@ def summarize(path: str) -> str:
     for kid, k in kernels.items():
         lines.append(f"{kid:>3} {k['name'][:52]:<52} " + " ".join(
             f"{k[c]:7.1f}" if c in k else f"{'-':>7}" for c in cols))
+    stalled = [(kid, k) for kid, k in kernels.items() if k.get("stalls")]
+    if stalled:
+        lines.append(f"warp stalls (warps stalled per issued instruction, the {STALL_TOP} largest "
+                     "reasons; gpu_run.sh ncu with GWGRAD_NCU_STALLS=1):")
+        for kid, k in stalled:
+            top = sorted(k["stalls"].items(), key=lambda kv: -kv[1])[:STALL_TOP]
+            lines.append(f"{kid:>3} {k['name'][:52]:<52} " + "  ".join(
+                f"{reason} {value:.2f}" for reason, value in top))
     return "\n".join(lines)
 
 

@@ -54,3 +54,23 @@ def test_a_stored_report():
 def test_empty_report(tmp_path):
     (tmp_path / "none.csv").write_text("==PROF== nothing profiled\n")
     assert "no CSV rows" in load().summarize(str(tmp_path / "none.csv"))
+
+
+def test_warp_stall_reasons(tmp_path):
+    """With the per-reason stall metrics in the report (GWGRAD_NCU_STALLS=1), the summary
+    lists each kernel's largest reasons, largest first; kernels without them get no line."""
+    mod = load()
+    stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+    values = {"long_scoreboard": "3.25", "barrier": "1.5", "wait": "0.75", "math_pipe_throttle":
+              "2.0", "selected": "1", "sleeping": "0.01", "not_selected": "0.5"}
+    text = HEADER + row(0, "prep", "Duration", "ns", "2,624") + row(1, "gemm", "Duration", "us",
+                                                                     "400")
+    text += "".join(row(1, "gemm", stall.format(k), "", v) for k, v in values.items())
+    (tmp_path / "ncu.csv").write_text(text)
+    lines = mod.summarize(str(tmp_path / "ncu.csv")).splitlines()
+    assert lines[2].split()[:3] == ["1", "gemm", "400.0"]  # the stall rows are no column
+    assert lines[3].startswith("warp stalls") and len(lines) == 5
+    assert lines[4].split() == ["1", "gemm", "long_scoreboard", "3.25", "math_pipe_throttle",
+                                "2.00", "barrier", "1.50", "selected", "1.00", "wait", "0.75"]
+    assert mod.stall_reason(stall.format("barrier")) == "barrier"
+    assert mod.stall_reason("smsp__warps_issue_stalled_barrier") is None

@@ -28,6 +28,10 @@ from . import (DEFAULT_SHAPES, _cumsum, _error, _rel_err, config_name, parse_til
                token_counts)
 
 
+#: gwgrad's FP8 recipes as the bench names them (--recipes): channel scales, 1x128 blocks, MXFP8.
+RECIPES = ("channel", "1x128", "mx")
+
+
 class Fp8Row:
     """One row's FP8 inputs (random values, unit-ish scales) and its gwgrad launchers."""
 
@@ -140,9 +144,6 @@ def variant_name(recipe: str, tile: tuple) -> str:
     return f"fp8_{recipe}_{config_name(tile)[len('gwgrad_'):]}"
 
 
-RECIPES = ("channel", "1x128", "mx")
-
-
 def run_row(shape: Dict, dist: str, rounds: int, sample_ms: float, tiles: List,
             recipes=RECIPES, fp8_only: bool = False) -> Dict:
     """One row's methods timed together. ``recipes``: gwgrad's FP8 recipes to time (each at
@@ -193,7 +194,7 @@ def run_row(shape: Dict, dist: str, rounds: int, sample_ms: float, tiles: List,
     for name, ms in times.items():
         meth[name] = {"ms": ms, "tflops": inp.flops / ms / 1e9}
     t = {k: v["tflops"] for k, v in meth.items() if "tflops" in v}
-    for recipe in ("channel", "1x128", "mx"):
+    for recipe in RECIPES:
         best = max((v, k) for k, v in t.items() if k.startswith(f"fp8_{recipe}")) if any(
             k.startswith(f"fp8_{recipe}") for k in t) else None
         if best is None:
@@ -221,7 +222,7 @@ def table(rows: List[Dict]) -> str:
             v = m.get(k, {}).get("tflops")
             return f"{v:7.0f}" if v else f"{'-':>7}"
 
-        best = {k: r.get(f"{k}_best", {}).get("tflops") for k in ("channel", "1x128", "mx")}
+        best = {k: r.get(f"{k}_best", {}).get("tflops") for k in RECIPES}
         ratios = r.get("ratios", {})
 
         def ra(k, w=7):

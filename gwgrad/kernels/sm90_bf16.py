@@ -959,8 +959,8 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 epi_order_peer.arrive()
 
             unit, expert, k_tiles, chunk, sched_state = self.take(
-            sched_pipeline, sched_state, sched_slots
-        )
+                sched_pipeline, sched_state, sched_slots
+            )
             if cutlass.const_expr(self.pingpong):
                 if expert >= 0:
                     # Skip the peer group's unit.

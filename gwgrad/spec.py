@@ -62,6 +62,10 @@ class StaticSpec:
     # before it: a fixed order, so results are the same run to run. With a 16-bit output each
     # chunk's partial sum is rounded to it before the add.
     split_tokens: int = 0
+    # Static units (tuning; SM90 BF16 without the K split; 0: off, the dynamic counter): CTA
+    # (cluster) b takes units b, b + grid, b + 2 * grid, ... in the unit order, with no atomic
+    # counter and, on a cluster, no hand-off from its leader CTA.
+    static_units: int = 0
 
     @property
     def is_block_scaled(self) -> bool:

@@ -188,3 +188,22 @@ def test_no_k_split_no_flags():
     """Without the K split (the default) the GEMM has none of the split's flag traffic."""
     ptx = compile_ptx(spec("sm_90a", tile=(128, 128), cluster=(1, 1)))
     assert "atom.global.release.exch" not in ptx and "cp.async.bulk.wait_group \t0;" not in ptx
+
+
+@pytest.mark.parametrize("cluster", [(1, 1), (1, 2)], ids=lambda c: f"{c[0]}x{c[1]}")
+def test_static_units_compile(cluster):
+    """spec.static_units: the producer takes every grid-th unit, so the kernel has one atomic
+    add fewer than the dynamic one (its unit counter; the prep work keeps its own) and, on a
+    cluster, no hand-off from the leader (no st.async into the peers' mailboxes) while the
+    operand loads stay multicast."""
+    from kernel_compile import replace
+
+    base = spec("sm_90a", tile=(128, 128), cluster=cluster)
+    dynamic = compile_ptx(base)
+    static = compile_ptx(replace(base, static_units=1))
+    check_offsets_check_ptx(static)
+    assert "wgmma.mma_async.sync.aligned" in static
+    assert static.count("atom.global.add") == dynamic.count("atom.global.add") - 1
+    if cluster != (1, 1):
+        assert "st.async" in dynamic and "st.async" not in static
+        assert ".multicast::cluster" in static

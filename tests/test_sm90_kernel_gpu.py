@@ -157,6 +157,43 @@ def test_single_launch_needs_no_resident_grid(monkeypatch, factor, tiling):
         out.fill_(float("nan"))
 
 
+STATIC_CASES = [  # (tile, cluster), majors, order, mode, out, accumulate
+    (((128, 128), (1, 1)), ("m", "n"), "tensor2d", "dense", torch.bfloat16, False),
+    (((128, 128), (1, 2)), ("k", "n"), "tensor_ragged", "discrete", torch.float32, True),
+    (((128, 256), (2, 1)), ("m", "k"), "tensor2d", "dense", torch.float16, False),
+    (((64, 128), (1, 1)), ("k", "k"), "tensor_ragged", "dense", torch.float32, True),
+]
+
+
+@pytest.mark.parametrize("case", range(len(STATIC_CASES)))
+@pytest.mark.parametrize("grid", ["resident", "one_cluster", "oversubscribed"])
+def test_static_units(monkeypatch, seed, case, grid):
+    """spec.static_units=1: each CTA (cluster) takes every grid-th unit, with no counter and
+    no leader hand-off. Every expert comes out right against FP64 (NaN-poisoned outputs, an
+    empty expert) with the resident grid, a single CTA or cluster running every unit, and a
+    grid of 3x the resident one (the later CTAs start as earlier ones exit)."""
+    import dataclasses
+
+    from gpu_kernel_checks import compiled_for, make_spec, run_and_check
+    from gwgrad.backends import _cutedsl
+
+    tiling, majors, order, mode, out_dtype, acc = STATIC_CASES[case]
+    spec = dataclasses.replace(
+        make_spec("sm_90a", 256, 384, 24, *majors, order, mode, out_dtype, acc, tiling),
+        static_units=1)
+    final, _, compiled = compiled_for(spec)
+    assert final.static_units == 1
+    size = _cutedsl.cluster_size(compiled)
+    if grid != "resident":
+        count = size if grid == "one_cluster" else 3 * _cutedsl.grid_size(compiled, 0)
+        monkeypatch.setattr(_cutedsl, "grid_size", lambda cfg, device: count)
+    gen = torch.Generator().manual_seed(seed)
+    counts = (torch.randint(0, 60, (24,), generator=gen) * 8).tolist()  # K-major: % 8
+    counts[4] = 0
+    counts[7] = 1000
+    run_and_check(spec, counts, out_dtype)
+
+
 K_SPLIT_CASES = [  # (tiling, major / order / mode / out / accumulate)
     (((128, 128), (1, 1)), dict()),
     (((128, 256), (1, 1)), dict()),

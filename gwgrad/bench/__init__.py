@@ -425,7 +425,8 @@ def build_methods(inp: RowInputs, configs: List, row: Dict,
         row["gwgrad_tuning"] = {"cluster_shape_mn": list(spec.cluster_shape_mn),
                                 "raster_group": spec.raster_group, "epi_tile_n": spec.epi_tile_n,
                                 "epi_buffer_sets": spec.epi_buffer_sets,
-                                "launches": spec.launches, "split_tokens": spec.split_tokens}
+                                "launches": spec.launches, "split_tokens": spec.split_tokens,
+                "static_units": spec.static_units}
         fns["gwgrad_{}x{}".format(*default.tile)] = default
     except Exception as exc:  # noqa: BLE001
         meth["gwgrad"] = {"error": _error(exc)}
@@ -775,9 +776,10 @@ def plot(rows: List[Dict], path: str) -> Optional[str]:
 
 #: StaticSpec fields a --tiles entry may set (``MxN:field=value``; ``cluster=MxN`` sets
 #: cluster_shape_mn; ``launches=2``: the prep kernel then the GEMM, against the default single
-#: launch; ``split_tokens=4096``: the K split of experts longer than 4096 tokens).
+#: launch; ``split_tokens=4096``: the K split of experts longer than 4096 tokens;
+#: ``static_units=1``: units handed out statically, no counter and no cluster hand-off).
 TUNING_FIELDS = ("raster_group", "epi_tile_n", "epi_buffer_sets", "cluster", "launches",
-                 "split_tokens")
+                 "split_tokens", "static_units")
 
 
 def parse_tile(s: str) -> Tuple:

@@ -168,6 +168,9 @@ class ProblemConfig:
     # (split_chunks), each a unit per output tile; the chunks of a tile add into the output
     # in chunk order (module doc).
     split_tokens: int = 0
+    # Static units (SM90 BF16, no K split; 0: off): the producer takes units b, b + grid, ...
+    # with no atomic counter and no cluster hand-off.
+    static_units: int = 0
 
     # -- scales ------------------------------------------------------------------------
     @property

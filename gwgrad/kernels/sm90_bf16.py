@@ -66,6 +66,13 @@ the soak pass on this code. Compile- and PTX-checked by
 tests/test_compile_sm90.py::test_k_split_compiles. Off by default: it bought nothing on the
 bench rows (docs/PERF_NOTES.md, session 12).
 
+Static units (spec.static_units = 1, no K split; opt-in): the producer takes units b, b + grid,
+b + 2 * grid, ... from its block's (cluster's) index, with no atomic counter and, on a cluster,
+no hand-off from the leader. Session 6's static cluster order was 2-3% faster than 1x1 on the
+uniform dsv3-fc1 and gptoss-fc1 rows, which the dynamic hand-off gave back (docs/PERF_NOTES.md).
+NOT RUN ON A GPU: compile- and PTX-checked (tests/test_compile_sm90.py::test_static_units_compile);
+its GPU test is tests/test_sm90_kernel_gpu.py::test_static_units.
+
 Pipelines: `ab` (TMA -> WGMMA, mbarriers with transaction counts), `sched` (unit ids, producer
 warp -> all consumer threads), and the TMA store of the epilogue (bulk async groups).
 
@@ -135,7 +142,8 @@ from .common import (
     unit_chunk,
     unit_tile_coords,
 )
-from .tiling import SM90_CLUSTERS, epi_buffer_sets_problem, split_tokens_problem
+from .tiling import (SM90_CLUSTERS, epi_buffer_sets_problem, split_tokens_problem,
+                     static_units_problem)
 
 SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_90")  # 227 KiB per CTA
 SCHED_STAGES = 4
@@ -250,7 +258,9 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                     f"{cfg.schedule} tiles are {rows[0]}|{rows[1]} x 64..256, got "
                     f"{cta_m}x{cta_n}")
         problem = (epi_buffer_sets_problem(cfg.epi_buffer_sets, cfg.schedule)
-                   or split_tokens_problem(cfg.split_tokens, cluster, bool(cfg.scale_recipe)))
+                   or split_tokens_problem(cfg.split_tokens, cluster, bool(cfg.scale_recipe))
+                   or static_units_problem(cfg.static_units, cfg.split_tokens,
+                                           bool(cfg.scale_recipe)))
         if problem is not None:
             return problem
         epi_tile, _, ab_stage = Sm90GroupedWgrad.epilogue_plan(cfg)
@@ -644,7 +654,11 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                          chunk)
             sched_state.advance()
             nxt = Int32(0)
-            if cutlass.const_expr(self.cluster_size == 1):
+            if cutlass.const_expr(cfg.static_units):
+                # Static units: every grid-th unit from the block's (cluster's) index; each
+                # CTA of a cluster computes the same sequence, so there is nothing to hand off.
+                nxt = unit + grid
+            elif cutlass.const_expr(self.cluster_size == 1):
                 if lane == 0:
                     nxt = cute.arch.atomic_add(ws.counter.iterator, Int32(1)) + grid
             else:
@@ -691,7 +705,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         self.publish(sched_pipeline, sched_state, sched_slots, unit, Int32(-1), Int32(0), lane,
                      Int32(0))
         ab_pipeline.producer_tail(ab_state)
-        if cutlass.const_expr(self.cluster_size > 1):
+        if cutlass.const_expr(self.cluster_size > 1 and not cfg.static_units):
             # The leader stays until every peer has taken every unit id it sent (their
             # arrives land in its shared memory), as producer_tail does for the stages.
             if self.is_cluster_leader() and lane == 0:

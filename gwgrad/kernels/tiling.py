@@ -89,6 +89,26 @@ def split_tokens_problem(split_tokens: int, cluster_shape_mn: Pair, block_scaled
     return None
 
 
+def static_units_problem(static_units: int, split_tokens: int, block_scaled: bool,
+                         arch: str = "sm_90a") -> Optional[Tuple[str, str]]:
+    """(argument, detail) unless static units (``static_units`` 1; 0: the dynamic counter)
+    run: the SM90 BF16 kernel without the K split (a later chunk waits for a lower unit,
+    which a static order may give a CTA that is not yet running)."""
+    if static_units == 0:
+        return None
+    if static_units != 1:
+        return "static_units", f"expected 0 (the dynamic counter) or 1, got {static_units}"
+    if block_scaled or arch not in ("sm_90a", "cpu"):
+        what = "block-scaled inputs" if block_scaled else arch
+        return "static_units", (f"expected 0: static units run in the SM90 BF16 kernel only, "
+                                f"not for {what}; got 1")
+    if split_tokens:
+        return "static_units", ("expected 0 with the K split (split_tokens > 0: a chunk waits "
+                                "for a lower unit, which a static order may give a CTA that "
+                                "is not running yet), got 1")
+    return None
+
+
 def any_gpu_epi_buffer_sets_problem(sets: int, mma_tiler_mn: Pair,
                                     block_scaled: bool) -> Optional[Tuple[str, str]]:
     """epi_buffer_sets_problem for the SM90 kernel of the family that runs ``mma_tiler_mn``

@@ -62,10 +62,12 @@ class StaticSpec:
     # before it: a fixed order, so results are the same run to run. With a 16-bit output each
     # chunk's partial sum is rounded to it before the add.
     split_tokens: int = 0
-    # Static units (tuning; SM90 BF16 without the K split; 0: off, the dynamic counter): CTA
-    # (cluster) b takes units b, b + grid, b + 2 * grid, ... in the unit order, with no atomic
-    # counter and, on a cluster, no hand-off from its leader CTA.
-    static_units: int = 0
+    # How CTAs (clusters) take their units (tuning; kernels/tiling.py UNIT_SCHEDULES): 0, the
+    # backend's default; 1 dynamic (an atomic counter); 2 static (CTA b takes units b,
+    # b + grid, ... with no counter and, on a cluster, no hand-off from its leader); 3
+    # balanced (static on a launch whose expert counts are balanced, else dynamic, decided in
+    # the kernel). 2 and 3: SM90 BF16 without the K split.
+    unit_schedule: int = 0
 
     @property
     def is_block_scaled(self) -> bool:

@@ -94,7 +94,10 @@ def make_operands(spec, counts):
     return a, b, offs, t, a_parts, b_parts
 
 
-def run_and_check(spec, counts, out_dtype, tol=1e-2, offsets_override=None):
+def run_and_check(spec, counts, out_dtype, tol=1e-2, offsets_override=None, workspace=None):
+    """Launch ``spec`` on random operands with ``counts`` and check every expert against FP64
+    (outputs NaN-poisoned unless accumulating). ``workspace``: a zeroed uint8 CUDA tensor to
+    launch with (the caller reads it afterwards), else a fresh one."""
     spec, backend, compiled = compiled_for(spec)
     a, b, offs, t, a_parts, b_parts = make_operands(spec, counts)
     if offsets_override is not None:
@@ -112,7 +115,9 @@ def run_and_check(spec, counts, out_dtype, tol=1e-2, offsets_override=None):
         outs = [x.clone() for x in init]
         ptrs = torch.tensor([x.data_ptr() for x in outs], dtype=torch.int64, device="cuda")
         args_out = dict(wgrad_ptrs=desc(ptrs))
-    ws = torch.zeros(max(backend.workspace_bytes(spec), 1), dtype=torch.uint8, device="cuda")
+    ws = workspace
+    if ws is None:
+        ws = torch.zeros(max(backend.workspace_bytes(spec), 1), dtype=torch.uint8, device="cuda")
     args = LaunchArgs(
         a=desc(a), b=desc(b), offsets=desc(offs), tokens_sum=t,
         stream=torch.cuda.current_stream().cuda_stream, workspace=ws.data_ptr(), **args_out,

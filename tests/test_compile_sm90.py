@@ -191,19 +191,41 @@ def test_no_k_split_no_flags():
 
 
 @pytest.mark.parametrize("cluster", [(1, 1), (1, 2)], ids=lambda c: f"{c[0]}x{c[1]}")
-def test_static_units_compile(cluster):
-    """spec.static_units: the producer takes every grid-th unit, so the kernel has one atomic
-    add fewer than the dynamic one (its unit counter; the prep work keeps its own) and, on a
-    cluster, no hand-off from the leader (no st.async into the peers' mailboxes) while the
-    operand loads stay multicast."""
+def test_unit_schedule_compile(cluster):
+    """spec.unit_schedule: static (2) takes every grid-th unit, so the kernel has one atomic
+    add fewer than the dynamic one (1; its unit counter: the prep work keeps its own) and, on
+    a cluster, no hand-off from the leader (no st.async into the peers' mailboxes) while the
+    operand loads stay multicast. Balanced (3) keeps the dynamic path (the counter's atomic,
+    the hand-off) beside the static one, and its prep work reduces the counts' max, min and
+    sum (three more warp reductions than the dynamic kernel's)."""
     from kernel_compile import replace
 
     base = spec("sm_90a", tile=(128, 128), cluster=cluster)
-    dynamic = compile_ptx(base)
-    static = compile_ptx(replace(base, static_units=1))
-    check_offsets_check_ptx(static)
-    assert "wgmma.mma_async.sync.aligned" in static
+    dynamic = compile_ptx(replace(base, unit_schedule=1))
+    static = compile_ptx(replace(base, unit_schedule=2))
+    balanced = compile_ptx(replace(base, unit_schedule=3))
+    for ptx in (static, balanced):
+        check_offsets_check_ptx(ptx)
+        assert "wgmma.mma_async.sync.aligned" in ptx
     assert static.count("atom.global.add") == dynamic.count("atom.global.add") - 1
+    assert balanced.count("atom.global.add") == dynamic.count("atom.global.add")
+    for kind in ("max", "min"):
+        op = f"redux.sync.{kind}.s32"
+        assert balanced.count(op) > dynamic.count(op), (kind, balanced.count(op))
     if cluster != (1, 1):
-        assert "st.async" in dynamic and "st.async" not in static
-        assert ".multicast::cluster" in static
+        assert "st.async" in dynamic and "st.async" not in static and "st.async" in balanced
+        assert ".multicast::cluster" in static and ".multicast::cluster" in balanced
+
+
+def test_default_unit_schedule_is_resolved():
+    """finalize_spec resolves unit_schedule 0 (the backend's default) to a schedule the kernel
+    runs: the PTX of a spec left at 0 is that of the resolved one."""
+    from gwgrad.backends import finalize_spec
+
+    from kernel_compile import replace
+
+    base = spec("sm_90a", tile=(128, 128), cluster=(1, 1))
+    final = finalize_spec(replace(base, unit_schedule=0))[0]
+    assert final.unit_schedule in (1, 2, 3)
+    assert compile_ptx(replace(base, unit_schedule=0)) == compile_ptx(
+        replace(base, unit_schedule=final.unit_schedule))

@@ -165,33 +165,85 @@ STATIC_CASES = [  # (tile, cluster), majors, order, mode, out, accumulate
 ]
 
 
+def _grid_for(monkeypatch, compiled, grid):
+    """Set the launch grid: the resident one, one CTA (cluster), or 3x the resident one (the
+    later CTAs start as earlier ones exit); returns its size in CTAs."""
+    from gwgrad.backends import _cutedsl
+
+    count = _cutedsl.grid_size(compiled, 0)
+    if grid != "resident":
+        count = _cutedsl.cluster_size(compiled) if grid == "one_cluster" else 3 * count
+        monkeypatch.setattr(_cutedsl, "grid_size", lambda cfg, device: count)
+    return count
+
+
 @pytest.mark.parametrize("case", range(len(STATIC_CASES)))
 @pytest.mark.parametrize("grid", ["resident", "one_cluster", "oversubscribed"])
 def test_static_units(monkeypatch, seed, case, grid):
-    """spec.static_units=1: each CTA (cluster) takes every grid-th unit, with no counter and
-    no leader hand-off. Every expert comes out right against FP64 (NaN-poisoned outputs, an
-    empty expert) with the resident grid, a single CTA or cluster running every unit, and a
-    grid of 3x the resident one (the later CTAs start as earlier ones exit)."""
+    """unit_schedule=2 (static): each CTA (cluster) takes every grid-th unit, with no counter
+    and no leader hand-off. Every expert comes out right against FP64 (NaN-poisoned outputs,
+    an empty expert) with the resident grid, a single CTA or cluster running every unit, and a
+    grid of 3x the resident one."""
     import dataclasses
 
     from gpu_kernel_checks import compiled_for, make_spec, run_and_check
-    from gwgrad.backends import _cutedsl
 
     tiling, majors, order, mode, out_dtype, acc = STATIC_CASES[case]
     spec = dataclasses.replace(
         make_spec("sm_90a", 256, 384, 24, *majors, order, mode, out_dtype, acc, tiling),
-        static_units=1)
+        unit_schedule=2)
     final, _, compiled = compiled_for(spec)
-    assert final.static_units == 1
-    size = _cutedsl.cluster_size(compiled)
-    if grid != "resident":
-        count = size if grid == "one_cluster" else 3 * _cutedsl.grid_size(compiled, 0)
-        monkeypatch.setattr(_cutedsl, "grid_size", lambda cfg, device: count)
+    assert final.unit_schedule == 2
+    _grid_for(monkeypatch, compiled, grid)
     gen = torch.Generator().manual_seed(seed)
     counts = (torch.randint(0, 60, (24,), generator=gen) * 8).tolist()  # K-major: % 8
     counts[4] = 0
     counts[7] = 1000
     run_and_check(spec, counts, out_dtype)
+
+
+BALANCED_CASES = [  # (tile, cluster), majors, order, mode, out, accumulate
+    (((128, 128), (1, 1)), ("m", "n"), "tensor2d", "dense", torch.bfloat16, False),
+    (((128, 128), (1, 2)), ("k", "n"), "tensor_ragged", "discrete", torch.bfloat16, False),
+    (((128, 128), (1, 2)), ("m", "k"), "tensor2d", "dense", torch.float32, True),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BALANCED_CASES)))
+@pytest.mark.parametrize("counts", ["equal", "spread", "skewed"])
+@pytest.mark.parametrize("grid", ["resident", "one_cluster", "oversubscribed"])
+def test_balanced_schedule(monkeypatch, seed, case, counts, grid):
+    """unit_schedule=3 (balanced): the kernel runs a launch statically when the largest count
+    minus the smallest nonzero one is at most 1/BALANCED_SPREAD of a CTA's (cluster's) share
+    of the work, else dynamically. Which one ran is read back from the workspace (the dynamic
+    counter stays 0 on a static launch), against the rule computed here from the counts and
+    the grid; both must be right against FP64. Equal counts (and an empty expert) run static
+    on any grid, a spread of 8 tokens only on one CTA (cluster), a skewed launch never."""
+    import dataclasses
+
+    from gpu_kernel_checks import compiled_for, make_spec, run_and_check
+    from gwgrad.backends import _cutedsl
+    from gwgrad.kernels.tiling import BALANCED_SPREAD
+
+    tiling, majors, order, mode, out_dtype, acc = BALANCED_CASES[case]
+    spec = dataclasses.replace(
+        make_spec("sm_90a", 256, 384, 24, *majors, order, mode, out_dtype, acc, tiling),
+        unit_schedule=3)
+    final, backend, compiled = compiled_for(spec)
+    assert final.unit_schedule == 3
+    clusters = _grid_for(monkeypatch, compiled, grid) // _cutedsl.cluster_size(compiled)
+    values = {"equal": [200] * 24, "spread": [200, 208] * 12,
+              "skewed": [1000] + [8] * 23}[counts]
+    values[5] = 0
+    spread = max(values) - min(c for c in values if c)
+    units_per_expert = compiled.num_units // final.num_experts
+    static = spread * BALANCED_SPREAD * clusters <= sum(values) * units_per_expert
+    assert static == {"equal": True, "spread": grid == "one_cluster", "skewed": False}[counts]
+    ws = torch.zeros(max(backend.workspace_bytes(final), 1), dtype=torch.uint8, device="cuda")
+    run_and_check(spec, values, out_dtype, workspace=ws)
+    words = ws[:32].view(torch.int32).tolist()
+    assert words[6:8] == [spread, sum(values)], words
+    assert (words[0] == 0) == static, (words[0], static, clusters)
 
 
 K_SPLIT_CASES = [  # (tiling, major / order / mode / out / accumulate)

@@ -10,7 +10,7 @@ import itertools
 import pytest
 
 from gwgrad.kernels.tiling import (PROBLEMS, SM90_TILES, epi_buffer_sets_problem,
-                                   split_tokens_problem, static_units_problem)
+                                   split_tokens_problem, unit_schedule_problem)
 
 TILES = list(itertools.product((64, 128, 256), (64, 96, 128, 160, 192, 224, 256)))
 CLUSTERS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
@@ -243,30 +243,35 @@ def test_split_tokens_one_predicate(arch, split, cluster, ok):
             finalize_spec(request)
 
 
-@pytest.mark.parametrize("arch,static,split,cluster,ok", [
-    ("sm_90a", 1, 0, (1, 1), True), ("sm_90a", 1, 0, (2, 2), True), ("cpu", 1, 0, (1, 2), True),
-    ("sm_90a", 0, 512, (1, 1), True), ("sm_90a", 1, 512, (1, 1), False),
-    ("cpu", 1, 512, (1, 1), False), ("sm_90a", 2, 0, (1, 1), False),
-    ("sm_100a", 1, 0, (1, 1), False),
+@pytest.mark.parametrize("arch,schedule,split,cluster,ok", [
+    ("sm_90a", 2, 0, (1, 1), True), ("sm_90a", 3, 0, (2, 2), True), ("cpu", 2, 0, (1, 2), True),
+    ("cpu", 3, 0, (1, 1), True), ("sm_90a", 1, 512, (1, 1), True),
+    ("sm_90a", 0, 512, (1, 1), True), ("sm_90a", 2, 512, (1, 1), False),
+    ("cpu", 3, 512, (1, 1), False), ("sm_90a", 4, 0, (1, 1), False),
+    ("sm_90a", -1, 0, (1, 1), False), ("sm_100a", 2, 0, (1, 1), False),
+    ("sm_100a", 3, 0, (1, 1), False), ("sm_100a", 1, 0, (1, 1), True),
 ])
-def test_static_units_one_predicate(arch, static, split, cluster, ok):
-    """spec.static_units: tiling.static_units_problem decides for the SM90 and SM100 kernels
-    and the CPU reference alike (SM90 BF16 only, never with the K split, whose chunks wait for
-    lower units); what it refuses is a ValueError naming static_units."""
+def test_unit_schedule_one_predicate(arch, schedule, split, cluster, ok):
+    """spec.unit_schedule: tiling.unit_schedule_problem decides for the SM90 and SM100 kernels
+    and the CPU reference alike (0 default and 1 dynamic everywhere; 2 static and 3 balanced
+    in SM90 BF16 only, never with the K split, whose chunks wait for lower units); what it
+    refuses is a ValueError naming unit_schedule, and finalize_spec resolves 0."""
     import dataclasses
 
     from gwgrad.backends import finalize_spec
 
-    assert (static_units_problem(static, split, False, arch) is None) == ok
-    assert static_units_problem(1, 0, True, "sm_90a") is not None  # block-scaled
+    assert (unit_schedule_problem(schedule, split, False, arch) is None) == ok
+    assert unit_schedule_problem(2, 0, True, "sm_90a") is not None  # block-scaled
+    assert unit_schedule_problem(1, 0, True, "sm_90a") is None
     if arch != "cpu":
         pytest.importorskip("cutlass")
-    request = dataclasses.replace(_spec(arch, (128, 128), cluster), static_units=static,
+    request = dataclasses.replace(_spec(arch, (128, 128), cluster), unit_schedule=schedule,
                                   split_tokens=split)
     if ok:
-        assert finalize_spec(request)[0].static_units == static
+        final = finalize_spec(request)[0].unit_schedule
+        assert final == schedule if schedule else final in (1, 2, 3)
     else:
-        with pytest.raises(ValueError, match=r"^static_units: expected"):
+        with pytest.raises(ValueError, match=r"^unit_schedule: expected"):
             finalize_spec(request)
 
 

@@ -125,6 +125,8 @@ def finalize_spec(spec: StaticSpec,
         spec = dataclasses.replace(spec, epi_buffer_sets=backend.default_epi_buffer_sets(spec))
     if not spec.launches:
         spec = dataclasses.replace(spec, launches=backend.default_launches(spec))
+    if not spec.unit_schedule:
+        spec = dataclasses.replace(spec, unit_schedule=backend.default_unit_schedule(spec))
     backend.check_support(spec)
     return spec, backend
 

@@ -95,7 +95,7 @@ def problem_config(spec: StaticSpec, schedule: str, unit_tile_m: int = 0, unit_t
         has_global_scale=spec.has_global_scale,
         launches=spec.launches or 2,  # 0: a spec that skipped finalize_spec
         split_tokens=spec.split_tokens,
-        static_units=spec.static_units,
+        unit_schedule=spec.unit_schedule or 1,
     )
 
 

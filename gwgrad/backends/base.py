@@ -6,6 +6,7 @@ import abc
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
+from ..kernels.tiling import SCHEDULE_DYNAMIC
 from ..spec import StaticSpec
 from ..tensors import TensorDesc
 
@@ -72,6 +73,11 @@ class Backend(abc.ABC):
         """Sets of epilogue staging buffers for a (tiled) spec whose caller left it 0: one,
         the consumer groups take it in turn (kernels without consumer groups have one)."""
         return 1
+
+    def default_unit_schedule(self, spec: StaticSpec) -> int:
+        """How CTAs take units for a (tiled) spec whose caller left ``unit_schedule`` 0: the
+        dynamic counter (kernels/tiling.py UNIT_SCHEDULES)."""
+        return SCHEDULE_DYNAMIC
 
     def default_launches(self, spec: StaticSpec) -> int:
         """Kernel launches per call for a spec whose caller left ``launches`` 0: 1 where the

@@ -39,7 +39,10 @@ saves the host one cudaLaunchKernelEx per call (docs/PERF_NOTES.md).
                          kernels hand out only the others, and zero the empty experts' outputs
                          with plain stores from otherwise idle warps).
     vlive     int32      byte 20 (K split only): the live experts' chunks, virtual ranks 0..vlive-1
-              (bytes 24..127 of this 128-byte block are unused)
+    spread    int32      byte 24 (balanced schedule only): the largest count minus the smallest
+                         nonzero one (expert 0)
+    tokens    int32      byte 28 (balanced schedule only): the sanitized counts' sum (expert 0)
+              (bytes 32..127 of this 128-byte block are unused)
     ranges    int32[2E]  sanitized (begin, end) token range of every expert
     order     int32[E]   expert of each rank (longest first)
     sf_base   int32[E]   (block-scaled) first scale column / row of every expert
@@ -102,6 +105,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from ..offsets import COUNT_NOT_MULTIPLE, LAST_NOT_TOKENS_SUM, NEGATIVE_COUNT, SCALES_TOO_SMALL
 from ..scales import column_rule
+from .tiling import SCHEDULE_BALANCED
 
 DESC_BYTES = 128
 COUNTER_BYTES = 128  # the block holding the unit counter, the verdict and the prep hand-off
@@ -110,6 +114,8 @@ PREP_NEXT_BYTE = 8  # single launch: the next expert a prep warp takes (0 betwee
 PREP_DONE_BYTE = 12  # ... experts prepared, then + CTAs past the hand-off (0 between launches)
 LIVE_BYTE = 16  # experts with tokens (ranks 0 .. live-1 of the unit order; the rest are empty)
 VLIVE_BYTE = 20  # K split: the live experts' chunks (virtual ranks 0 .. vlive-1)
+SPREAD_BYTE = 24  # balanced schedule: the largest count minus the smallest nonzero one
+TOKENS_BYTE = 28  # balanced schedule: the tokens of all experts (sanitized counts)
 #: K split: at most this many chunks per expert (the virtual-rank table is static).
 MAX_SPLIT_CHUNKS = 8
 # The status record (see module doc): 8 int32, 16-byte aligned.
@@ -168,9 +174,9 @@ class ProblemConfig:
     # (split_chunks), each a unit per output tile; the chunks of a tile add into the output
     # in chunk order (module doc).
     split_tokens: int = 0
-    # Static units (SM90 BF16, no K split; 0: off): the producer takes units b, b + grid, ...
-    # with no atomic counter and no cluster hand-off.
-    static_units: int = 0
+    # How the producer takes units (tiling.UNIT_SCHEDULES: 1 dynamic, 2 static, 3 balanced;
+    # 2 and 3 in the SM90 BF16 kernel only, without the K split).
+    unit_schedule: int = 1
 
     # -- scales ------------------------------------------------------------------------
     @property
@@ -381,6 +387,12 @@ class Workspace:
         self.vlive = cute.make_tensor(
             cute.recast_ptr(base + VLIVE_BYTE, dtype=Int32), cute.make_layout(1)
         )
+        self.spread = cute.make_tensor(
+            cute.recast_ptr(base + SPREAD_BYTE, dtype=Int32), cute.make_layout(1)
+        )
+        self.tokens = cute.make_tensor(
+            cute.recast_ptr(base + TOKENS_BYTE, dtype=Int32), cute.make_layout(1)
+        )
         self.vtable = cute.make_tensor(
             cute.recast_ptr(base + cfg.vtable_offset, dtype=Int32),
             cute.make_layout(4 * e * cfg.chunks_per_expert),
@@ -475,10 +487,16 @@ def write_ranges_and_order(
     ahead = Int32(0)
     nonempty = Int32(0)
     columns_before = Int32(0)
+    most, least, total = Int32(0), Int32(0x7FFFFFFF), Int32(0)  # balanced schedule only
     for j in range(lane, cfg.num_experts, 32):
         bj, ej = sanitized_range(offsets, j, tokens_sum, cfg.count_multiple)
         cj = ej - bj
         nonempty += Int32(cj > 0)
+        if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_BALANCED):
+            most = cutlass.max(most, cj)
+            if cj > 0:
+                least = cutlass.min(least, cj)
+            total += cj
         is_ahead = Int32(cj > count) | (Int32(cj == count) & Int32(j < expert))
         ahead += is_ahead
         if cutlass.const_expr(cfg.sf_rule is not None):
@@ -499,6 +517,15 @@ def write_ranges_and_order(
         if expert == 0:
             counter[0] = Int32(0)
             ws.live[0] = live
+    if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_BALANCED):
+        # The balanced schedule's inputs (Sm90GroupedWgrad.counts_balanced); no live expert:
+        # spread 0 (there are no units).
+        most = cute.arch.warp_redux_sync(most, "max")
+        least = cute.arch.warp_redux_sync(least, "min")
+        total = cute.arch.warp_redux_sync(total, "add")
+        if lane == 0 and expert == 0:
+            ws.spread[0] = cutlass.max(most - least, Int32(0))
+            ws.tokens[0] = total
     return begin, end, columns_before
 
 

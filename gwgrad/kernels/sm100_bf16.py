@@ -119,7 +119,7 @@ from .common import (
     token_origin,
 )
 from .tiling import (epi_buffer_sets_problem, sm100_cta_tile_m, sm100_problem,
-                     split_tokens_problem, static_units_problem)
+                     split_tokens_problem, unit_schedule_problem)
 
 SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_100")  # 227 KiB per CTA
 CLC_RESPONSE_BYTES = 16
@@ -183,7 +183,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         problem = (epi_buffer_sets_problem(cfg.epi_buffer_sets, None)
                    or split_tokens_problem(cfg.split_tokens, (cfg.cluster_m, cfg.cluster_n),
                                            bool(cfg.scale_recipe), "sm_100a")
-                   or static_units_problem(cfg.static_units, cfg.split_tokens,
+                   or unit_schedule_problem(cfg.unit_schedule, cfg.split_tokens,
                                            bool(cfg.scale_recipe), "sm_100a"))
         if problem is not None:
             return problem

@@ -66,12 +66,15 @@ the soak pass on this code. Compile- and PTX-checked by
 tests/test_compile_sm90.py::test_k_split_compiles. Off by default: it bought nothing on the
 bench rows (docs/PERF_NOTES.md, session 12).
 
-Static units (spec.static_units = 1, no K split; opt-in): the producer takes units b, b + grid,
-b + 2 * grid, ... from its block's (cluster's) index, with no atomic counter and, on a cluster,
-no hand-off from the leader. Session 6's static cluster order was 2-3% faster than 1x1 on the
-uniform dsv3-fc1 and gptoss-fc1 rows, which the dynamic hand-off gave back (docs/PERF_NOTES.md).
-NOT RUN ON A GPU: compile- and PTX-checked (tests/test_compile_sm90.py::test_static_units_compile);
-its GPU test is tests/test_sm90_kernel_gpu.py::test_static_units.
+Unit schedules (spec.unit_schedule, kernels/tiling.py; no K split): dynamic (above), static
+(the producer takes units b, b + grid, b + 2 * grid, ... from its block's (cluster's) index,
+no atomic counter and, on a cluster, no hand-off from the leader), or balanced: static on a
+launch whose counts are balanced (counts_balanced, from two words the prep work writes), else
+dynamic, chosen per launch in the kernel. On the H200 (session 13, gwgrad's variants alone)
+a static 1x2 cluster ran 1.00-1.04x the default on the uniform rows and 0.95-0.99x on zipf;
+a static 1x1 CTA 0.67-0.84x (not understood; not a default). Verified on the H200:
+tests/test_sm90_kernel_gpu.py::test_static_units (static, 12 cases); compile- and PTX-checked
+by tests/test_compile_sm90.py::test_unit_schedule_compile.
 
 Pipelines: `ab` (TMA -> WGMMA, mbarriers with transaction counts), `sched` (unit ids, producer
 warp -> all consumer threads), and the TMA store of the epilogue (bulk async groups).
@@ -143,7 +146,7 @@ from .common import (
     unit_tile_coords,
 )
 from .tiling import (SM90_CLUSTERS, epi_buffer_sets_problem, split_tokens_problem,
-                     static_units_problem)
+                     unit_schedule_problem, SCHEDULE_BALANCED, SCHEDULE_STATIC, BALANCED_SPREAD)
 
 SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_90")  # 227 KiB per CTA
 SCHED_STAGES = 4
@@ -259,7 +262,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                     f"{cta_m}x{cta_n}")
         problem = (epi_buffer_sets_problem(cfg.epi_buffer_sets, cfg.schedule)
                    or split_tokens_problem(cfg.split_tokens, cluster, bool(cfg.scale_recipe))
-                   or static_units_problem(cfg.static_units, cfg.split_tokens,
+                   or unit_schedule_problem(cfg.unit_schedule, cfg.split_tokens,
                                            bool(cfg.scale_recipe)))
         if problem is not None:
             return problem
@@ -646,6 +649,11 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         live_units = ws.live[0] * cfg.tiles_per_expert
         if cutlass.const_expr(cfg.split_tokens > 0):
             live_units = ws.vlive[0] * cfg.tiles_per_expert
+        # Static units (a balanced schedule decides per launch): each CTA of a cluster computes
+        # the same sequence, so there is nothing to hand off.
+        static = Int32(cfg.unit_schedule == SCHEDULE_STATIC)
+        if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_BALANCED):
+            static = self.counts_balanced(ws, grid)
         while unit < live_units:
             local_k, chunk = Int32(0), Int32(0)
             if cutlass.const_expr(cfg.split_tokens > 0):
@@ -654,16 +662,15 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                          chunk)
             sched_state.advance()
             nxt = Int32(0)
-            if cutlass.const_expr(cfg.static_units):
-                # Static units: every grid-th unit from the block's (cluster's) index; each
-                # CTA of a cluster computes the same sequence, so there is nothing to hand off.
+            if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_STATIC):
                 nxt = unit + grid
-            elif cutlass.const_expr(self.cluster_size == 1):
-                if lane == 0:
-                    nxt = cute.arch.atomic_add(ws.counter.iterator, Int32(1)) + grid
+            elif cutlass.const_expr(cfg.unit_schedule == SCHEDULE_BALANCED):
+                if static != 0:
+                    nxt = unit + grid
+                else:
+                    nxt, seq = self.dynamic_next_unit(ws, mailbox, seq, grid, lane)
             else:
-                nxt = self.cluster_next_unit(ws, mailbox, seq, grid, lane)
-                seq += 1
+                nxt, seq = self.dynamic_next_unit(ws, mailbox, seq, grid, lane)
             nxt = cute.arch.shuffle_sync(nxt, 0)
             n_expert, n_tile_m, n_tile_n, n_begin, n_k_tiles = decode_unit(
                 cfg, cutlass.min(nxt, cfg.num_units - 1), ws
@@ -705,9 +712,10 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         self.publish(sched_pipeline, sched_state, sched_slots, unit, Int32(-1), Int32(0), lane,
                      Int32(0))
         ab_pipeline.producer_tail(ab_state)
-        if cutlass.const_expr(self.cluster_size > 1 and not cfg.static_units):
+        if cutlass.const_expr(self.cluster_size > 1 and cfg.unit_schedule != SCHEDULE_STATIC):
             # The leader stays until every peer has taken every unit id it sent (their
-            # arrives land in its shared memory), as producer_tail does for the stages.
+            # arrives land in its shared memory), as producer_tail does for the stages; after
+            # a static launch of a balanced schedule it sent none (seq 0: the waits pass).
             if self.is_cluster_leader() and lane == 0:
                 for i in cutlass.range_constexpr(MBOX_STAGES):
                     cute.arch.mbarrier_wait(mailbox[1] + (seq + i) % MBOX_STAGES,
@@ -742,6 +750,29 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     def is_cluster_leader(self):
         """Whether this CTA (rank 0 of its cluster) takes the cluster's units."""
         return cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) == 0
+
+    @cute.jit
+    def dynamic_next_unit(self, ws, mailbox, seq, grid, lane):
+        """(the next unit on lane 0, the mailbox sequence number after it) of the dynamic
+        schedule: the counter's next value + grid, through the leader on a cluster."""
+        nxt = Int32(0)
+        if cutlass.const_expr(self.cluster_size == 1):
+            if lane == 0:
+                nxt = cute.arch.atomic_add(ws.counter.iterator, Int32(1)) + grid
+        else:
+            nxt = self.cluster_next_unit(ws, mailbox, seq, grid, lane)
+            seq += 1
+        return nxt, seq
+
+    @cute.jit
+    def counts_balanced(self, ws, grid):
+        """Balanced schedule: 1 when this launch's counts let a static order run (the largest
+        count minus the smallest nonzero one, the most two CTAs' static shares can differ by
+        when units go longest expert first, is at most 1/BALANCED_SPREAD of one CTA's
+        (cluster's) share of the work), else 0. The prep work wrote both words."""
+        spread = Int64(ws.spread[0])
+        share = Int64(ws.tokens[0]) * self.cfg.tiles_per_expert
+        return Int32(spread * BALANCED_SPREAD * Int64(grid) <= share)
 
     @cute.jit
     def cluster_next_unit(self, ws, mailbox, seq, grid, lane):

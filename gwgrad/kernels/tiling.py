@@ -89,23 +89,40 @@ def split_tokens_problem(split_tokens: int, cluster_shape_mn: Pair, block_scaled
     return None
 
 
-def static_units_problem(static_units: int, split_tokens: int, block_scaled: bool,
-                         arch: str = "sm_90a") -> Optional[Tuple[str, str]]:
-    """(argument, detail) unless static units (``static_units`` 1; 0: the dynamic counter)
-    run: the SM90 BF16 kernel without the K split (a later chunk waits for a lower unit,
-    which a static order may give a CTA that is not yet running)."""
-    if static_units == 0:
+#: spec.unit_schedule: how a CTA (cluster) takes its output-tile units. DEFAULT (0) is resolved by
+#: the backend (finalize_spec); DYNAMIC: the first unit is the block's (cluster's) index, the
+#: next ones come from an atomic counter (a cluster's leader takes them and hands them to its
+#: peers); STATIC: units b, b + grid, b + 2 * grid, ... with no counter and no hand-off;
+#: BALANCED: STATIC on a launch whose expert counts are balanced (the largest minus the
+#: smallest nonzero count at most BALANCED_SPREAD of one CTA's share of the work), else
+#: DYNAMIC, decided by the kernel from the counts (no host sync).
+UNIT_SCHEDULES = {0: "default", 1: "dynamic", 2: "static", 3: "balanced"}
+SCHEDULE_DEFAULT, SCHEDULE_DYNAMIC, SCHEDULE_STATIC, SCHEDULE_BALANCED = 0, 1, 2, 3
+#: BALANCED's bound: units are handed out longest expert first, so a static order leaves any
+#: two CTAs' work within one unit's length of each other (the largest count minus the
+#: smallest): static when that is at most 1/BALANCED_SPREAD of a CTA's share.
+BALANCED_SPREAD = 50
+
+
+def unit_schedule_problem(unit_schedule: int, split_tokens: int, block_scaled: bool,
+                          arch: str = "sm_90a") -> Optional[Tuple[str, str]]:
+    """(argument, detail) unless ``unit_schedule`` runs: DEFAULT and DYNAMIC everywhere;
+    STATIC and BALANCED in the SM90 BF16 kernel without the K split (a later chunk waits for
+    a lower unit, which a static order may give a CTA that is not yet running)."""
+    if unit_schedule not in UNIT_SCHEDULES:
+        return "unit_schedule", ("expected 0 (the backend's default), 1 (dynamic), 2 (static) "
+                                 f"or 3 (balanced), got {unit_schedule}")
+    if unit_schedule in (SCHEDULE_DEFAULT, SCHEDULE_DYNAMIC):
         return None
-    if static_units != 1:
-        return "static_units", f"expected 0 (the dynamic counter) or 1, got {static_units}"
+    name = UNIT_SCHEDULES[unit_schedule]
     if block_scaled or arch not in ("sm_90a", "cpu"):
         what = "block-scaled inputs" if block_scaled else arch
-        return "static_units", (f"expected 0: static units run in the SM90 BF16 kernel only, "
-                                f"not for {what}; got 1")
+        return "unit_schedule", (f"expected 0 or 1 (dynamic): a {name} schedule runs in the SM90 "
+                                 f"BF16 kernel only, not for {what}; got {unit_schedule}")
     if split_tokens:
-        return "static_units", ("expected 0 with the K split (split_tokens > 0: a chunk waits "
-                                "for a lower unit, which a static order may give a CTA that "
-                                "is not running yet), got 1")
+        return "unit_schedule", (f"expected 0 or 1 (dynamic) with the K split (split_tokens > 0: "
+                                 "a chunk waits for a lower unit, which a static order may give a "
+                                 f"CTA that is not running yet), got {unit_schedule} ({name})")
     return None
 
 

@@ -206,6 +206,7 @@ BALANCED_CASES = [  # (tile, cluster), majors, order, mode, out, accumulate
     (((128, 128), (1, 1)), ("m", "n"), "tensor2d", "dense", torch.bfloat16, False),
     (((128, 128), (1, 2)), ("k", "n"), "tensor_ragged", "discrete", torch.bfloat16, False),
     (((128, 128), (1, 2)), ("m", "k"), "tensor2d", "dense", torch.float32, True),
+    (((128, 128), (1, 2), 2), ("m", "n"), "tensor2d", "dense", torch.bfloat16, False),  # + prep
 ]
 
 

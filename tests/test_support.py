@@ -5,6 +5,7 @@ reject is a ValueError naming the argument, on the GPU backends and on the CPU r
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -292,3 +293,40 @@ def test_fp8_sm90_default_tiling(recipe, intermediate, tile, tokens_per_expert):
     tokens = None if tokens_per_expert is None else tokens_per_expert * request.num_experts
     spec, _ = finalize_spec(request, tokens)
     assert (spec.mma_tiler_mn, spec.cluster_shape_mn) == (tile, (1, 1))
+
+
+@pytest.mark.parametrize("hidden,intermediate,experts,tokens,out,acc,tile,cluster,schedule", [
+    # 16-bit outputs: pairs below 1024 and from 4096 output tiles per expert, balanced
+    (768, 2048, 128, 131072, "bfloat16", False, (128, 128), (1, 2), 3),  # qwen3-30b-fc2
+    (2048, 2816, 64, 32768, "bfloat16", False, (128, 128), (1, 2), 3),  # dsv2lite-fc1
+    (4096, 28672, 8, 32768, "bfloat16", False, (128, 128), (1, 2), 3),  # mixtral-fc1
+    (7168, 4096, 32, 65536, "bfloat16", False, (128, 128), (1, 1), 1),  # dsv3-fc1: 1792 tiles
+    (2880, 5760, 32, 65536, "float16", False, (128, 128), (1, 1), 1),  # gptoss-fc1
+    (1536, 1024, 256, 65536, "bfloat16", False, (128, 256), (1, 1), 1),  # fine-256e: short
+    (768, 2048, 128, 131072, "bfloat16", True, (128, 128), (1, 1), 1),  # 16-bit accumulate
+    (768, 128, 128, 131072, "bfloat16", False, (128, 128), (1, 1), 1),  # one column tile
+    (768, 384, 128, 131072, "bfloat16", False, (128, 128), (1, 1), 1),  # 3 column tiles: odd
+    # FP32 outputs: pairs from 1024 tiles per expert, balanced; short experts' pairs dynamic
+    (7168, 4096, 32, 65536, "float32", True, (128, 128), (1, 2), 3),  # dsv3-fc1
+    (4096, 28672, 8, 32768, "float32", True, (128, 128), (1, 2), 3),  # mixtral-fc1
+    (768, 2048, 128, 131072, "float32", True, (128, 128), (1, 1), 1),  # qwen3-30b-fc2
+    (1536, 1024, 256, 65536, "float32", True, (128, 128), (1, 2), 1),  # fine-256e: short
+])
+def test_sm90_bf16_default_tiling(hidden, intermediate, experts, tokens, out, acc, tile,
+                                  cluster, schedule):
+    """The SM90 BF16 defaults (Bf16Sm90Backend.default_tiling / tiling_for_tokens /
+    default_unit_schedule) on the benchmark's shapes, as fitted in docs/PERF_NOTES.md
+    (session 13): CTA pairs with the balanced schedule where they measured faster, the 1x1
+    dynamic kernel elsewhere, never a pair over an odd count of 128-column tiles."""
+    from gwgrad.backends import finalize_spec
+
+    from kernel_compile import spec
+
+    request = spec("sm_90a", hidden=hidden, intermediate=intermediate, experts=experts,
+                   out=out, acc=acc)
+    final = finalize_spec(request, tokens)[0]
+    assert (final.mma_tiler_mn, final.cluster_shape_mn, final.unit_schedule) == (
+        tile, cluster, schedule)
+    if final.unit_schedule != 1:  # a schedule the caller sets stays (dynamic pair)
+        dyn = finalize_spec(dataclasses.replace(request, unit_schedule=1), tokens)[0]
+        assert dyn.cluster_shape_mn == cluster and dyn.unit_schedule == 1

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ..kernels.tiling import SM90_TILES, sm90_problem, sm90_schedule
+from ..kernels.tiling import (SCHEDULE_BALANCED, SCHEDULE_DYNAMIC, SM90_TILES, sm90_problem,
+                              sm90_schedule)
 from ..spec import StaticSpec
 from . import _cutedsl
 
@@ -23,6 +24,14 @@ def _output_tiles(spec: StaticSpec) -> int:
     return -(-spec.hidden // 128) * -(-spec.intermediate // 128)
 
 
+def _pair_fits(spec: StaticSpec) -> bool:
+    """Whether a 1x2 pair of 128-column CTA tiles covers the output's columns with at most
+    1/16 of the pairs' CTAs idle (an odd count of 128-column tiles leaves the last pair's
+    second CTA without columns: it computes and stores nothing)."""
+    n_tiles = -(-spec.intermediate // 128)
+    return n_tiles >= 2 and (n_tiles % 2 == 0 or n_tiles >= 16)
+
+
 class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
     name = "bf16_sm90"
 
@@ -32,9 +41,38 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         # expert's output has fewer than ~4096 such tiles (every benchmark row but one, by up
         # to 6%); on very wide outputs (mixtral-fc1: 7168 tiles per expert) the cooperative
         # 128x256 tile's lower L2 traffic wins by 8%.
-        if _output_tiles(spec) >= WIDE_OUTPUT_TILES:
+        # Session 13: a 1x2 pair of pingpong 128x128 CTAs (A multicast) with the balanced unit
+        # schedule (static on balanced counts, default_unit_schedule), gwgrad's variants
+        # alone (docs/results/h200_bench_tune_unit_schedule*.json), x this 1x1 default:
+        # - 16-bit outputs: +0.2..+4.9% on zipf and -0.7..+1.6% uniform on outputs of < 1024
+        #   tiles per expert (qwen3-30b, dsv3-fc2, dsv2lite-fc1) and +1.2..+1.6% on >= 4096
+        #   (mixtral-fc1, against 128x256); in between (dsv3-fc1, gptoss-fc1) +2.9..+3.1%
+        #   uniform but -1.6..-2.1% zipf: not taken there.
+        # - FP32 outputs (accumulating): +9.3..+10.4% uniform and -0.1..+0.1% zipf from 1024
+        #   tiles per expert (dsv3-fc1, gptoss-fc1; mixtral-fc1 +8.3% / +6.9% against
+        #   128x256); below, -5..-6% uniform (qwen3-30b): not taken.
+        tiles = _output_tiles(spec)
+        if _pair_fits(spec):
+            if spec.wgrad_dtype.itemsize == 4:
+                if tiles >= EPI_SPLIT_TILES:
+                    return (128, 128), (1, 2)
+            elif not spec.accumulate and (tiles < EPI_SPLIT_TILES or tiles >= WIDE_OUTPUT_TILES):
+                return (128, 128), (1, 2)
+        if tiles >= WIDE_OUTPUT_TILES:
             return (128, 256), (1, 1)
         return (128, 128), (1, 1)
+
+    def default_unit_schedule(self, spec: StaticSpec):
+        # Balanced (static on a launch whose counts are balanced, else dynamic) for CTA pairs:
+        # static pairs ran 1.00-1.03x dynamic ones on the uniform rows with 16-bit outputs and
+        # 1.02-1.05x with FP32 accumulation on outputs of >= 1024 tiles per expert; static
+        # 1x1 CTAs ran 0.67-0.84x (docs/PERF_NOTES.md, session 13), quads have not run
+        # statically, and the short-expert FP32 pairs (tiling_for_tokens) ran 0.89x static on
+        # fine-256e uniform: dynamic there.
+        if (sorted(spec.cluster_shape_mn) != [1, 2] or spec.split_tokens
+                or (spec.wgrad_dtype.itemsize == 4 and _output_tiles(spec) < EPI_SPLIT_TILES)):
+            return SCHEDULE_DYNAMIC
+        return SCHEDULE_BALANCED
 
     def tiling_for_tokens(self, spec: StaticSpec, tokens_sum: int):
         # Many short experts with small outputs (fine-grained MoE): each 128x128 unit's

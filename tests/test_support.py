@@ -109,7 +109,8 @@ def test_the_cpu_reference_takes_the_epi_buffer_sets_a_gpu_kernel_runs(tile, set
     (2880, 5760, None, 2),        # gptoss-fc1: 1035
     (2048, 7168, None, 1),        # dsv3-fc2: 896
     (2048, 1536, None, 1),        # qwen3-30b-fc1: 192
-    (4096, 28672, None, 1),       # mixtral-fc1: the cooperative 128x256 default, one epilogue
+    (4096, 28672, None, 2),       # mixtral-fc1: 7168, a 1x2 pair of pingpong CTAs (session 13)
+    (4096, 28672, (128, 256), 1),  # the cooperative 128x256 tile: one epilogue at a time
     (7168, 4096, (64, 256), 2),   # a pingpong tile the caller chose, on a large output
     (7168, 4096, (128, 256), 1),
     (7168, 4096, "float32", 1),   # FP32 outputs: no gain measured, one set
@@ -148,11 +149,11 @@ def test_the_sm90_default_epilogue_buffer_sets_follow_the_output_size(hidden, in
     (1536, 1024, 256, 65536, "accumulate", ((128, 128), (1, 1))),  # into BF16: not measured
     (192, 128, 16, 2048, "accumulate32", ((128, 128), (1, 1))),   # one column tile: no pair
     (192, 136, 16, 2048, "accumulate32", ((128, 128), (1, 2))),   # two (the second partial)
-    (1536, 1024, 256, 131072, "bfloat16", ((128, 128), (1, 1))),  # 512 tokens per expert
+    (1536, 1024, 256, 131072, "bfloat16", ((128, 128), (1, 2))),  # 512 tokens per expert
     (1536, 1024, 256, 131072, "float32", ((128, 128), (1, 1))),
-    (2048, 2816, 64, 16384, "bfloat16", ((128, 128), (1, 1))),    # 256 tokens, 352 tiles
-    (768, 2048, 128, 131072, "bfloat16", ((128, 128), (1, 1))),   # qwen3-30b-fc2: 1024
-    (1536, 1024, 256, None, "bfloat16", ((128, 128), (1, 1))),    # tokens unknown: static
+    (2048, 2816, 64, 16384, "bfloat16", ((128, 128), (1, 2))),    # 256 tokens, 352 tiles
+    (768, 2048, 128, 131072, "bfloat16", ((128, 128), (1, 2))),   # qwen3-30b-fc2: 1024
+    (1536, 1024, 256, None, "bfloat16", ((128, 128), (1, 2))),    # tokens unknown: static
 ])
 def test_the_sm90_tiling_for_short_experts(hidden, intermediate, experts, tokens, out, want):
     """SM90 BF16: outputs of <= 128 128x128 tiles per expert with <= 384 tokens per expert on
@@ -330,3 +331,21 @@ def test_sm90_bf16_default_tiling(hidden, intermediate, experts, tokens, out, ac
     if final.unit_schedule != 1:  # a schedule the caller sets stays (dynamic pair)
         dyn = finalize_spec(dataclasses.replace(request, unit_schedule=1), tokens)[0]
         assert dyn.cluster_shape_mn == cluster and dyn.unit_schedule == 1
+
+
+def test_sm90_bf16_pairs_only_when_the_tiling_is_left_open():
+    """A caller who sets the tile (or the cluster) gets the 1x1 defaults of before: the tile
+    alone runs without a cluster, a 1x1 cluster alone gets the 1x1 default tile (128x256 on a
+    wide output), with the dynamic schedule."""
+    from gwgrad.backends import finalize_spec
+
+    from kernel_compile import spec
+
+    wide = dict(hidden=4096, intermediate=28672, experts=8)  # mixtral-fc1: a pair by default
+    assert finalize_spec(spec("sm_90a", **wide))[0].cluster_shape_mn == (1, 2)
+    tile_only = finalize_spec(spec("sm_90a", tile=(128, 128), **wide))[0]
+    assert tile_only.cluster_shape_mn == (1, 1) and tile_only.unit_schedule == 1
+    cluster_only = finalize_spec(spec("sm_90a", cluster=(1, 1), **wide))[0]
+    assert cluster_only.mma_tiler_mn == (128, 256) and cluster_only.unit_schedule == 1
+    pair = finalize_spec(spec("sm_90a", cluster=(1, 2), **wide))[0]
+    assert pair.mma_tiler_mn == (128, 256) and pair.unit_schedule == 3

@@ -52,7 +52,9 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         #   tiles per expert (dsv3-fc1, gptoss-fc1; mixtral-fc1 +8.3% / +6.9% against
         #   128x256); below, -5..-6% uniform (qwen3-30b): not taken.
         tiles = _output_tiles(spec)
-        if _pair_fits(spec):
+        # Pairs only when the caller chose neither field: a tile (or a cluster) the caller
+        # chose gets the 1x1 defaults it had before pairs were a default.
+        if spec.mma_tiler_mn is None and spec.cluster_shape_mn is None and _pair_fits(spec):
             if spec.wgrad_dtype.itemsize == 4:
                 if tiles >= EPI_SPLIT_TILES:
                     return (128, 128), (1, 2)

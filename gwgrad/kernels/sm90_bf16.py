@@ -16,7 +16,8 @@ whole CTA skips everything, shared-memory setup and barrier init included: no lo
 no store, so the output (dense or discrete, accumulated or not) keeps every byte it had.
 
 Warp roles (384 threads, one CTA per SM, persistent):
-  warp group 0   producer(). Warp 0 takes units (its block index first, then an atomic counter),
+  warp group 0   producer(). Warp 0 takes units (its block index first, then an atomic counter,
+                 or every grid-th unit: the unit schedules below),
                  publishes each unit to the consumers through a small shared-memory ring, and
                  issues the TMA loads of the unit's A (tile_m x 64) and B (tile_n x 64) K-blocks
                  into a multi-stage ring, using the expert's own descriptors (TMA zero-fills

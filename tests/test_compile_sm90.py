@@ -198,7 +198,7 @@ def test_no_k_split_no_flags():
     assert "atom.global.release.exch" not in ptx and "cp.async.bulk.wait_group \t0;" not in ptx
 
 
-@pytest.mark.parametrize("cluster", [(1, 1), (1, 2)], ids=lambda c: f"{c[0]}x{c[1]}")
+@pytest.mark.parametrize("cluster", [(1, 1), (1, 2), (2, 2)], ids=lambda c: f"{c[0]}x{c[1]}")
 def test_unit_schedule_compile(cluster):
     """spec.unit_schedule: static (2) takes every grid-th unit, so the kernel has one atomic
     add fewer than the dynamic one (1; its unit counter: the prep work keeps its own) and, on

@@ -162,6 +162,7 @@ STATIC_CASES = [  # (tile, cluster), majors, order, mode, out, accumulate
     (((128, 128), (1, 2)), ("k", "n"), "tensor_ragged", "discrete", torch.float32, True),
     (((128, 256), (2, 1)), ("m", "k"), "tensor2d", "dense", torch.float16, False),
     (((64, 128), (1, 1)), ("k", "k"), "tensor_ragged", "dense", torch.float32, True),
+    (((128, 128), (2, 2)), ("m", "n"), "tensor_ragged", "discrete", torch.bfloat16, False),
 ]
 
 

@@ -73,9 +73,13 @@ no atomic counter and, on a cluster, no hand-off from the leader), or balanced: 
 launch whose counts are balanced (counts_balanced, from two words the prep work writes), else
 dynamic, chosen per launch in the kernel. On the H200 (session 13, gwgrad's variants alone)
 a static 1x2 cluster ran 1.00-1.04x the default on the uniform rows and 0.95-0.99x on zipf;
-a static 1x1 CTA 0.67-0.84x (not understood; not a default). Verified on the H200:
-tests/test_sm90_kernel_gpu.py::test_static_units (static, 12 cases); compile- and PTX-checked
-by tests/test_compile_sm90.py::test_unit_schedule_compile.
+a static 1x1 CTA 0.67-0.84x (not understood; not a default). The balanced 1x2 pair is the
+default where it measured faster (backends/bf16_sm90.py). Verified on the H200 (session 13):
+tests/test_sm90_kernel_gpu.py::test_static_units (12 cases: 1x1, 1x2, 2x1; its quad case was
+added after that run and has not run) and ::test_balanced_schedule (36 cases: which schedule
+ran is read back and checked against the rule), the whole default GPU set, the fuzz and the
+sanitizers on the new defaults. Compile- and PTX-checked by
+tests/test_compile_sm90.py::test_unit_schedule_compile.
 
 Pipelines: `ab` (TMA -> WGMMA, mbarriers with transaction counts), `sched` (unit ids, producer
 warp -> all consumer threads), and the TMA store of the epilogue (bulk async groups).

@@ -178,6 +178,22 @@ def _grid_for(monkeypatch, compiled, grid):
     return count
 
 
+def _scheduled(case, schedule):
+    """(spec, its finalized spec, backend, compiled kernel, output dtype) of a STATIC_CASES /
+    BALANCED_CASES entry with ``unit_schedule=schedule`` on 24 experts, 256 x 384."""
+    import dataclasses
+
+    from gpu_kernel_checks import compiled_for, make_spec
+
+    tiling, majors, order, mode, out_dtype, acc = case
+    spec = dataclasses.replace(
+        make_spec("sm_90a", 256, 384, 24, *majors, order, mode, out_dtype, acc, tiling),
+        unit_schedule=schedule)
+    final, backend, compiled = compiled_for(spec)
+    assert final.unit_schedule == schedule
+    return spec, final, backend, compiled, out_dtype
+
+
 @pytest.mark.parametrize("case", range(len(STATIC_CASES)))
 @pytest.mark.parametrize("grid", ["resident", "one_cluster", "oversubscribed"])
 def test_static_units(monkeypatch, seed, case, grid):
@@ -185,16 +201,9 @@ def test_static_units(monkeypatch, seed, case, grid):
     and no leader hand-off. Every expert comes out right against FP64 (NaN-poisoned outputs,
     an empty expert) with the resident grid, a single CTA or cluster running every unit, and a
     grid of 3x the resident one."""
-    import dataclasses
+    from gpu_kernel_checks import run_and_check
 
-    from gpu_kernel_checks import compiled_for, make_spec, run_and_check
-
-    tiling, majors, order, mode, out_dtype, acc = STATIC_CASES[case]
-    spec = dataclasses.replace(
-        make_spec("sm_90a", 256, 384, 24, *majors, order, mode, out_dtype, acc, tiling),
-        unit_schedule=2)
-    final, _, compiled = compiled_for(spec)
-    assert final.unit_schedule == 2
+    spec, _, _, compiled, out_dtype = _scheduled(STATIC_CASES[case], 2)
     _grid_for(monkeypatch, compiled, grid)
     gen = torch.Generator().manual_seed(seed)
     counts = (torch.randint(0, 60, (24,), generator=gen) * 8).tolist()  # K-major: % 8
@@ -221,18 +230,11 @@ def test_balanced_schedule(monkeypatch, seed, case, counts, grid):
     counter stays 0 on a static launch), against the rule computed here from the counts and
     the grid; both must be right against FP64. Equal counts (and an empty expert) run static
     on any grid, a spread of 8 tokens only on one CTA (cluster), a skewed launch never."""
-    import dataclasses
-
-    from gpu_kernel_checks import compiled_for, make_spec, run_and_check
+    from gpu_kernel_checks import run_and_check
     from gwgrad.backends import _cutedsl
     from gwgrad.kernels.tiling import BALANCED_SPREAD
 
-    tiling, majors, order, mode, out_dtype, acc = BALANCED_CASES[case]
-    spec = dataclasses.replace(
-        make_spec("sm_90a", 256, 384, 24, *majors, order, mode, out_dtype, acc, tiling),
-        unit_schedule=3)
-    final, backend, compiled = compiled_for(spec)
-    assert final.unit_schedule == 3
+    spec, final, backend, compiled, out_dtype = _scheduled(BALANCED_CASES[case], 3)
     clusters = _grid_for(monkeypatch, compiled, grid) // _cutedsl.cluster_size(compiled)
     values = {"equal": [200] * 24, "spread": [200, 208] * 12,
               "skewed": [1000] + [8] * 23}[counts]

@@ -178,7 +178,8 @@ for s in $steps; do
       # cuBLAS GEMM of equal FLOPs (SpeedOfLight, + the tensor pipe's active share: on the
       # H200's ncu, sm__pipe_tensor_cycles_active counts HGMMA; added where ncu lists it).
       # GWGRAD_NCU_ROWS, GWGRAD_NCU_DISTS (default uniform; e.g. uniform,zipf),
-      # GWGRAD_NCU_ACCUMULATE=1: which calls are profiled. GWGRAD_NCU_STALLS=1: also every
+      # GWGRAD_NCU_ACCUMULATE=1: which calls are profiled; GWGRAD_NCU_TILES: gwgrad variants
+      # beside the default (the bench's --tiles syntax). GWGRAD_NCU_STALLS=1: also every
       # per-reason warp stall metric ncu lists (the summary prints the largest; session 12's
       # WarpStateStats section alone had no per-reason figures). GWGRAD_NCU_EXTRA: more ncu
       # arguments.
@@ -197,7 +198,8 @@ for s in $steps; do
         $METRICS ${GWGRAD_NCU_EXTRA-} --csv --page details --log-file "$OUT/ncu.csv" \
         "$PY" scripts/profile_gemm.py \
         --rows "${GWGRAD_NCU_ROWS:-dsv3-fc1,qwen3-30b-fc1,qwen3-30b-fc2,gptoss-fc1,dsv2lite-fc1,fine-256e}" \
-        --dists "${GWGRAD_NCU_DISTS:-uniform}" ${GWGRAD_NCU_ACCUMULATE:+--accumulate}
+        --dists "${GWGRAD_NCU_DISTS:-uniform}" ${GWGRAD_NCU_ACCUMULATE:+--accumulate} \
+        --tiles "${GWGRAD_NCU_TILES-}"
       cat "$OUT/step.txt"
       "$PY" scripts/profile_gemm.py --summarize "$OUT/ncu.csv" | tee "$OUT/ncu_summary.txt"
       done_step ncu $rc ;;

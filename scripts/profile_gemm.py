@@ -14,6 +14,9 @@ dense FP8 ``torch._scaled_mm`` of equal FLOPs instead.
 small-expert rows (GWGRAD_NCU_ROWS / GWGRAD_NCU_DISTS / GWGRAD_NCU_ACCUMULATE change that) and keeps the CSV
 and a per-kernel summary (duration, SM / DRAM throughput, tensor-pipe share; with
 GWGRAD_NCU_STALLS=1 also the largest warp stall reasons) under $OUT.
+``--tiles`` adds gwgrad variants (the bench's ``MxN[:field=value...]`` syntax, e.g.
+``128x128:unit_schedule=2,128x128:cluster=1x2``; GWGRAD_NCU_TILES in gpu_run.sh), each through
+its launch plan, so that ncu can say why one variant is slower than another.
 Without ncu it prints each method's time from CUDA events (a check that the target runs).
 """
 import argparse
@@ -26,7 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from gwgrad.bench import DEFAULT_SHAPES, RowInputs, select_shapes  # noqa: E402
+from gwgrad.bench import (DEFAULT_SHAPES, KernelRunner, RowInputs, config_name,  # noqa: E402
+                          parse_tile, select_shapes)
 
 
 # ncu --csv --page details metric names -> summary columns (unit-normalized below)
@@ -92,6 +96,19 @@ def summarize(path: str) -> str:
     return "\n".join(lines)
 
 
+def variant_methods(inp, tiles: str, out, accumulate: bool):
+    """gwgrad's kernel in each ``--tiles`` variant (comma-separated ``MxN[:field=value...]``)
+    on ``inp``'s operands, into ``out`` (accumulating into it with ``accumulate``), by the
+    bench's method name."""
+    methods = {}
+    for text in filter(None, (t.strip() for t in tiles.split(","))):
+        cfg = parse_tile(text)
+        methods[config_name(cfg)] = KernelRunner(inp.a, inp.b, inp.offsets, out,
+                                                 mma_tiler_mn=cfg[:2], accumulate=accumulate,
+                                                 tuning=tuple(cfg[2:]))
+    return methods
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--summarize", metavar="CSV",
@@ -105,6 +122,9 @@ def main() -> int:
                    help="profile gwgrad's FP8 kernel instead (bench/fp8.py's inputs), for "
                         "these comma-separated recipes (channel, 1x128, mx), beside the dense "
                         "FP8 torch._scaled_mm of equal FLOPs")
+    p.add_argument("--tiles", default="",
+                   help="gwgrad variants profiled beside the default (BF16 only), as the "
+                        "bench's --tiles: MxN[:field=value...], comma-separated")
     args = p.parse_args()
     if args.summarize:
         print(summarize(args.summarize))
@@ -132,7 +152,9 @@ def main() -> int:
                 methods = {"gwgrad_fp32_acc":
                            lambda: gwt.wgrad(x, dy, offsets, out=out, accumulate=True)}
             else:
+                out = inp.outs["gwgrad"]
                 methods = {"gwgrad": inp.adapter()}
+            methods.update(variant_methods(inp, args.tiles, out, args.accumulate))
             methods["dense_cublas"] = inp.dense()
             profile(shape, dist, inp.flops, methods)
             del inp

@@ -74,3 +74,30 @@ def test_warp_stall_reasons(tmp_path):
                                 "2.00", "barrier", "1.50", "selected", "1.00", "wait", "0.75"]
     assert mod.stall_reason(stall.format("barrier")) == "barrier"
     assert mod.stall_reason("smsp__warps_issue_stalled_barrier") is None
+
+
+def test_variant_methods_on_the_reference_backend():
+    """--tiles: each variant is the bench's KernelRunner with that tiling and tuning, named as
+    the bench names it; on CPU tensors it runs the reference backend and must give the
+    per-expert product."""
+    import torch
+
+    from gwgrad.bench import RowInputs
+
+    shape = {"name": "tiny", "hidden": 24, "intermediate": 40, "num_experts": 3,
+             "tokens_sum": 48}
+    inp = RowInputs(shape, "zipf", 8, device="cpu")
+    out = inp.outs["gwgrad"]
+    methods = load().variant_methods(
+        inp, "128x128:cluster=1x2:unit_schedule=2, 64x128,", out, False)
+    assert list(methods) == ["gwgrad_128x128:cluster=1x2:unit_schedule=2", "gwgrad_64x128"]
+    for fn in methods.values():
+        out.fill_(float("nan"))
+        fn()
+        start = 0
+        for e, count in enumerate(inp.counts):
+            want = inp.x[start:start + count].double().t() @ inp.dy[start:start + count].double()
+            torch.testing.assert_close(out[e].double(), want, rtol=2e-2, atol=2e-2)
+            start += count
+    with pytest.raises(ValueError, match="unknown tuning field"):
+        load().variant_methods(inp, "128x128:bogus=1", out, False)

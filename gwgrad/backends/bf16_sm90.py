@@ -44,7 +44,7 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         # Session 13: a 1x2 pair of pingpong 128x128 CTAs (A multicast) with the balanced unit
         # schedule (static on balanced counts, default_unit_schedule), gwgrad's variants
         # alone (docs/results/h200_bench_tune_unit_schedule*.json), x this 1x1 default:
-        # - 16-bit outputs: +0.2..+4.9% on zipf and -0.7..+1.6% uniform on outputs of < 1024
+        # - 16-bit outputs: +0.2..+4.9% on zipf and -0.7..+1.4% uniform on outputs of < 1024
         #   tiles per expert (qwen3-30b, dsv3-fc2, dsv2lite-fc1) and +1.2..+1.6% on >= 4096
         #   (mixtral-fc1, against 128x256); in between (dsv3-fc1, gptoss-fc1) +2.9..+3.1%
         #   uniform but -1.6..-2.1% zipf: not taken there.
@@ -66,8 +66,8 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
 
     def default_unit_schedule(self, spec: StaticSpec):
         # Balanced (static on a launch whose counts are balanced, else dynamic) for CTA pairs:
-        # static pairs ran 1.00-1.03x dynamic ones on the uniform rows with 16-bit outputs and
-        # 1.02-1.05x with FP32 accumulation on outputs of >= 1024 tiles per expert; static
+        # static pairs ran 1.00-1.09x dynamic ones on the uniform rows with 16-bit outputs and
+        # 1.01-1.04x with FP32 accumulation on outputs of >= 1024 tiles per expert; static
         # 1x1 CTAs ran 0.67-0.84x (docs/PERF_NOTES.md, session 13), quads have not run
         # statically, and the short-expert FP32 pairs (tiling_for_tokens) ran 0.89x static on
         # fine-256e uniform: dynamic there.

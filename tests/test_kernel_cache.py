@@ -234,7 +234,7 @@ def gemm_spec():
                       acc_dtype=DType.FLOAT32, a_major="m", b_major="n", input_order="tensor2d",
                       output_mode="dense", accumulate=False, mma_tiler_mn=(128, 128),
                       cluster_shape_mn=(1, 1), sf_vec_size=16, arch="sm_90a", raster_group=16,
-                      epi_tile_n=32, epi_buffer_sets=1, launches=1)
+                      epi_tile_n=32, epi_buffer_sets=1, launches=1, unit_schedule=1)
 
 
 def test_fresh_process_loads_from_disk_without_the_dsl(cache, recorder):

@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from gwgrad.bench import (DEFAULT_SHAPES, KernelRunner, RowInputs, config_name,  # noqa: E402
-                          parse_tile, select_shapes)
+from gwgrad.bench import (DEFAULT_SHAPES, RowInputs, config_name, parse_tile,  # noqa: E402
+                          select_shapes)
 
 
 # ncu --csv --page details metric names -> summary columns (unit-normalized below)
@@ -99,14 +99,9 @@ def summarize(path: str) -> str:
 def variant_methods(inp, tiles: str, out, accumulate: bool):
     """gwgrad's kernel in each ``--tiles`` variant (comma-separated ``MxN[:field=value...]``)
     on ``inp``'s operands, into ``out`` (accumulating into it with ``accumulate``), by the
-    bench's method name."""
-    methods = {}
-    for text in filter(None, (t.strip() for t in tiles.split(","))):
-        cfg = parse_tile(text)
-        methods[config_name(cfg)] = KernelRunner(inp.a, inp.b, inp.offsets, out,
-                                                 mma_tiler_mn=cfg[:2], accumulate=accumulate,
-                                                 tuning=tuple(cfg[2:]))
-    return methods
+    bench's method name (RowInputs.variant)."""
+    return {config_name(cfg): inp.variant(cfg, out, accumulate)
+            for cfg in map(parse_tile, filter(None, (t.strip() for t in tiles.split(","))))}
 
 
 def main() -> int:

@@ -258,8 +258,6 @@ def test_unit_schedule_one_predicate(arch, schedule, split, cluster, ok):
     and the CPU reference alike (0 default and 1 dynamic everywhere; 2 static and 3 balanced
     in SM90 BF16 only, never with the K split, whose chunks wait for lower units); what it
     refuses is a ValueError naming unit_schedule, and finalize_spec resolves 0."""
-    import dataclasses
-
     from gwgrad.backends import finalize_spec
 
     assert (unit_schedule_problem(schedule, split, False, arch) is None) == ok

@@ -345,6 +345,15 @@ class RowInputs:
 
         return loop
 
+    def variant(self, cfg: Tuple, out=None, accumulate: Optional[bool] = None) -> "KernelRunner":
+        """gwgrad's kernel in a parse_tile variant (tile, then tuning pairs) on this row's
+        operands, into ``out`` (default: the gwgrad output), accumulating as the row does
+        unless ``accumulate`` says otherwise."""
+        return KernelRunner(self.a, self.b, self.offsets,
+                            self.outs["gwgrad"] if out is None else out, mma_tiler_mn=cfg[:2],
+                            accumulate=self.accumulate if accumulate is None else accumulate,
+                            tuning=tuple(cfg[2:]))
+
     def adapter(self):
         import gwgrad.adapters.torch as gwt
 
@@ -433,9 +442,7 @@ def build_methods(inp: RowInputs, configs: List, row: Dict,
     for cfg in configs:
         name = config_name(cfg)
         if name not in fns:  # a tile this shape cannot use is recorded as an error
-            add(name, lambda: KernelRunner(inp.a, inp.b, inp.offsets, inp.outs["gwgrad"],
-                                           mma_tiler_mn=cfg[:2], accumulate=inp.accumulate,
-                                           tuning=tuple(cfg[2:])))
+            add(name, lambda: inp.variant(cfg))
     if gwgrad_only:
         return fns, default
     add("adapter", inp.adapter)

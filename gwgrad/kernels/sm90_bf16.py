@@ -656,7 +656,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             live_units = ws.vlive[0] * cfg.tiles_per_expert
         # Static units (a balanced schedule decides per launch): each CTA of a cluster computes
         # the same sequence, so there is nothing to hand off.
-        static = Int32(cfg.unit_schedule == SCHEDULE_STATIC)
+        static = Int32(0)  # balanced: this launch's choice (the other schedules are fixed)
         if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_BALANCED):
             static = self.counts_balanced(ws, grid)
         while unit < live_units:

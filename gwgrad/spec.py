@@ -66,7 +66,8 @@ class StaticSpec:
     # backend's default; 1 dynamic (an atomic counter); 2 static (CTA b takes units b,
     # b + grid, ... with no counter and, on a cluster, no hand-off from its leader); 3
     # balanced (static on a launch whose expert counts are balanced, else dynamic, decided in
-    # the kernel). 2 and 3: SM90 BF16 without the K split.
+    # the kernel); 4 hybrid (as 3, but an unbalanced launch takes a static head of units and
+    # a dynamic tail). 2-4: SM90 BF16 without the K split.
     unit_schedule: int = 0
 
     @property

@@ -205,14 +205,22 @@ def test_unit_schedule_compile(cluster):
     a cluster, no hand-off from the leader (no st.async into the peers' mailboxes) while the
     operand loads stay multicast. Balanced (3) keeps the dynamic path (the counter's atomic,
     the hand-off) beside the static one, and its prep work reduces the counts' max, min and
-    sum (three more warp reductions than the dynamic kernel's)."""
+    sum (three more warp reductions than the dynamic kernel's). Hybrid (4) keeps the dynamic
+    path too, and adds two more sums: each rank's tail of tokens (prep work) and the ranks
+    whose tail is long enough (the producer's static head)."""
     from kernel_compile import replace
 
     base = spec("sm_90a", tile=(128, 128), cluster=cluster)
     dynamic = compile_ptx(replace(base, unit_schedule=1))
     static = compile_ptx(replace(base, unit_schedule=2))
     balanced = compile_ptx(replace(base, unit_schedule=3))
-    for ptx in (static, balanced):
+    hybrid = compile_ptx(replace(base, unit_schedule=4))
+    add = "redux.sync.add.s32"
+    assert hybrid.count(add) == balanced.count(add) + 2 == dynamic.count(add) + 3
+    assert hybrid.count("atom.global.add") == dynamic.count("atom.global.add")
+    if cluster != (1, 1):
+        assert "st.async" in hybrid and ".multicast::cluster" in hybrid
+    for ptx in (static, balanced, hybrid):
         check_offsets_check_ptx(ptx)
         assert "wgmma.mma_async.sync.aligned" in ptx
     assert static.count("atom.global.add") == dynamic.count("atom.global.add") - 1

@@ -249,15 +249,17 @@ def test_split_tokens_one_predicate(arch, split, cluster, ok):
     ("sm_90a", 2, 0, (1, 1), True), ("sm_90a", 3, 0, (2, 2), True), ("cpu", 2, 0, (1, 2), True),
     ("cpu", 3, 0, (1, 1), True), ("sm_90a", 1, 512, (1, 1), True),
     ("sm_90a", 0, 512, (1, 1), True), ("sm_90a", 2, 512, (1, 1), False),
-    ("cpu", 3, 512, (1, 1), False), ("sm_90a", 4, 0, (1, 1), False),
+    ("cpu", 3, 512, (1, 1), False), ("sm_90a", 5, 0, (1, 1), False),
+    ("sm_90a", 4, 0, (1, 2), True), ("sm_90a", 4, 512, (1, 1), False),
+    ("sm_100a", 4, 0, (1, 1), False),
     ("sm_90a", -1, 0, (1, 1), False), ("sm_100a", 2, 0, (1, 1), False),
     ("sm_100a", 3, 0, (1, 1), False), ("sm_100a", 1, 0, (1, 1), True),
 ])
 def test_unit_schedule_one_predicate(arch, schedule, split, cluster, ok):
     """spec.unit_schedule: tiling.unit_schedule_problem decides for the SM90 and SM100 kernels
-    and the CPU reference alike (0 default and 1 dynamic everywhere; 2 static and 3 balanced
-    in SM90 BF16 only, never with the K split, whose chunks wait for lower units); what it
-    refuses is a ValueError naming unit_schedule, and finalize_spec resolves 0."""
+    and the CPU reference alike (0 default and 1 dynamic everywhere; 2 static, 3 balanced and
+    4 hybrid in SM90 BF16 only, never with the K split, whose chunks wait for lower units);
+    what it refuses is a ValueError naming unit_schedule, and finalize_spec resolves 0."""
     from gwgrad.backends import finalize_spec
 
     assert (unit_schedule_problem(schedule, split, False, arch) is None) == ok
@@ -269,7 +271,7 @@ def test_unit_schedule_one_predicate(arch, schedule, split, cluster, ok):
                                   split_tokens=split)
     if ok:
         final = finalize_spec(request)[0].unit_schedule
-        assert final == schedule if schedule else final in (1, 2, 3)
+        assert final == schedule if schedule else final in (1, 2, 3, 4)
     else:
         with pytest.raises(ValueError, match=r"^unit_schedule: expected"):
             finalize_spec(request)

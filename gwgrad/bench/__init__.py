@@ -785,7 +785,8 @@ def plot(rows: List[Dict], path: str) -> Optional[str]:
 #: cluster_shape_mn; ``launches=2``: the prep kernel then the GEMM, against the default single
 #: launch; ``split_tokens=4096``: the K split of experts longer than 4096 tokens;
 #: ``unit_schedule=2``: units handed out statically, no counter and no cluster hand-off; 3:
-#: static when the counts are balanced; 1: the dynamic counter).
+#: static when the counts are balanced; 4: that, or a static head and a dynamic tail; 1: the
+#: dynamic counter).
 TUNING_FIELDS = ("raster_group", "epi_tile_n", "epi_buffer_sets", "cluster", "launches",
                  "split_tokens", "unit_schedule")
 

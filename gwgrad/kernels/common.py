@@ -42,10 +42,13 @@ saves the host one cudaLaunchKernelEx per call (docs/PERF_NOTES.md).
     spread    int32      byte 24 (balanced schedule only): the largest count minus the smallest
                          nonzero one (expert 0)
     tokens    int32      byte 28 (balanced schedule only): the sanitized counts' sum (expert 0)
-              (bytes 32..127 of this 128-byte block are unused)
+    most      int32      byte 32 (hybrid schedule only): the largest count (expert 0)
+              (bytes 36..127 of this 128-byte block are unused)
     ranges    int32[2E]  sanitized (begin, end) token range of every expert
     order     int32[E]   expert of each rank (longest first)
     sf_base   int32[E]   (block-scaled) first scale column / row of every expert
+    rank_tokens int32[E] (hybrid schedule) per rank: the tokens of that rank and every later
+                         one (non-increasing; the tail's size)
     vtable    int32[4*E*MAX_SPLIT_CHUNKS] (K split) per virtual rank: expert | chunk << 16 |
               chunks << 24, first token, end token, first token inside the expert
     flags     int32[E*tiles_per_expert] (K split) chunks added into each output tile so far
@@ -105,7 +108,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from ..offsets import COUNT_NOT_MULTIPLE, LAST_NOT_TOKENS_SUM, NEGATIVE_COUNT, SCALES_TOO_SMALL
 from ..scales import column_rule
-from .tiling import SCHEDULE_BALANCED
+from .tiling import SCHEDULE_BALANCED, SCHEDULE_HYBRID
 
 DESC_BYTES = 128
 COUNTER_BYTES = 128  # the block holding the unit counter, the verdict and the prep hand-off
@@ -116,6 +119,7 @@ LIVE_BYTE = 16  # experts with tokens (ranks 0 .. live-1 of the unit order; the 
 VLIVE_BYTE = 20  # K split: the live experts' chunks (virtual ranks 0 .. vlive-1)
 SPREAD_BYTE = 24  # balanced schedule: the largest count minus the smallest nonzero one
 TOKENS_BYTE = 28  # balanced schedule: the tokens of all experts (sanitized counts)
+MOST_BYTE = 32  # hybrid schedule: the largest count
 #: K split: at most this many chunks per expert (the virtual-rank table is static).
 MAX_SPLIT_CHUNKS = 8
 # The status record (see module doc): 8 int32, 16-byte aligned.
@@ -248,9 +252,21 @@ class ProblemConfig:
         return self.order_offset + 4 * self.num_experts
 
     @property
+    def counts_words(self) -> bool:
+        """The prep work writes the counts' spread / tokens (/ largest) words (balanced and
+        hybrid unit schedules)."""
+        return self.unit_schedule in (SCHEDULE_BALANCED, SCHEDULE_HYBRID)
+
+    @property
+    def rank_tokens_offset(self) -> int:
+        """Hybrid schedule: one int32 per rank, the tokens of that rank and every later one."""
+        return self.sf_base_offset + (4 * self.num_experts if self.sf_rule else 0)
+
+    @property
     def vtable_offset(self) -> int:
         """K split: 4 int32 per virtual rank (chunk_entry)."""
-        return self.sf_base_offset + (4 * self.num_experts if self.sf_rule else 0)
+        hybrid = self.unit_schedule == SCHEDULE_HYBRID
+        return self.rank_tokens_offset + (4 * self.num_experts if hybrid else 0)
 
     @property
     def flags_offset(self) -> int:
@@ -393,6 +409,12 @@ class Workspace:
         self.tokens = cute.make_tensor(
             cute.recast_ptr(base + TOKENS_BYTE, dtype=Int32), cute.make_layout(1)
         )
+        self.most = cute.make_tensor(
+            cute.recast_ptr(base + MOST_BYTE, dtype=Int32), cute.make_layout(1)
+        )
+        self.rank_tokens = cute.make_tensor(
+            cute.recast_ptr(base + cfg.rank_tokens_offset, dtype=Int32), cute.make_layout(e)
+        )
         self.vtable = cute.make_tensor(
             cute.recast_ptr(base + cfg.vtable_offset, dtype=Int32),
             cute.make_layout(4 * e * cfg.chunks_per_expert),
@@ -487,18 +509,21 @@ def write_ranges_and_order(
     ahead = Int32(0)
     nonempty = Int32(0)
     columns_before = Int32(0)
-    most, least, total = Int32(0), Int32(0x7FFFFFFF), Int32(0)  # balanced schedule only
+    most, least, total = Int32(0), Int32(0x7FFFFFFF), Int32(0)  # balanced / hybrid only
+    behind = Int32(0)  # hybrid only: the tokens of the experts ranked after this one
     for j in range(lane, cfg.num_experts, 32):
         bj, ej = sanitized_range(offsets, j, tokens_sum, cfg.count_multiple)
         cj = ej - bj
         nonempty += Int32(cj > 0)
-        if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_BALANCED):
+        if cutlass.const_expr(cfg.counts_words):
             most = cutlass.max(most, cj)
             if cj > 0:
                 least = cutlass.min(least, cj)
             total += cj
         is_ahead = Int32(cj > count) | (Int32(cj == count) & Int32(j < expert))
         ahead += is_ahead
+        if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_HYBRID):
+            behind += (Int32(1) - is_ahead) * Int32(j != expert) * cj
         if cutlass.const_expr(cfg.sf_rule is not None):
             columns_before += Int32(j < expert) * scale_columns(cfg, cj)
     rank = cute.arch.warp_redux_sync(ahead, "add")
@@ -517,7 +542,7 @@ def write_ranges_and_order(
         if expert == 0:
             counter[0] = Int32(0)
             ws.live[0] = live
-    if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_BALANCED):
+    if cutlass.const_expr(cfg.counts_words):
         # The balanced schedule's inputs (Sm90GroupedWgrad.counts_balanced); no live expert:
         # spread 0 (there are no units).
         most = cute.arch.warp_redux_sync(most, "max")
@@ -526,6 +551,13 @@ def write_ranges_and_order(
         if lane == 0 and expert == 0:
             ws.spread[0] = cutlass.max(most - least, Int32(0))
             ws.tokens[0] = total
+            if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_HYBRID):
+                ws.most[0] = most
+    if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_HYBRID):
+        # The tail's size by rank (Sm90GroupedWgrad.static_head).
+        behind = cute.arch.warp_redux_sync(behind, "add")
+        if lane == 0:
+            ws.rank_tokens[rank] = behind + count
     return begin, end, columns_before
 
 

@@ -71,7 +71,10 @@ Unit schedules (spec.unit_schedule, kernels/tiling.py; no K split): dynamic (abo
 (the producer takes units b, b + grid, b + 2 * grid, ... from its block's (cluster's) index,
 no atomic counter and, on a cluster, no hand-off from the leader), or balanced: static on a
 launch whose counts are balanced (counts_balanced, from two words the prep work writes), else
-dynamic, chosen per launch in the kernel. On the H200 (session 13, gwgrad's variants alone)
+dynamic, chosen per launch in the kernel; or hybrid: as balanced, but an unbalanced launch
+hands out a static head (a multiple of the grid) and the rest from the counter, the tail
+holding at least grid x the longest expert's tokens of work (static_head; NOT RUN ON A GPU:
+tests/test_sm90_kernel_gpu.py::test_hybrid_schedule is its GPU test). On the H200 (session 13, gwgrad's variants alone)
 a static 1x2 cluster ran 1.00-1.04x the default on the uniform rows and 0.95-0.99x on zipf;
 a static 1x1 CTA 0.67-0.84x (not understood; not a default). The balanced 1x2 pair is the
 default where it measured faster (backends/bf16_sm90.py). Verified on the H200 (session 13):
@@ -151,7 +154,8 @@ from .common import (
     unit_tile_coords,
 )
 from .tiling import (SM90_CLUSTERS, epi_buffer_sets_problem, split_tokens_problem,
-                     unit_schedule_problem, SCHEDULE_BALANCED, SCHEDULE_STATIC, BALANCED_SPREAD)
+                     unit_schedule_problem, SCHEDULE_BALANCED, SCHEDULE_HYBRID, SCHEDULE_STATIC,
+                     BALANCED_SPREAD)
 
 SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_90")  # 227 KiB per CTA
 SCHED_STAGES = 4
@@ -659,6 +663,14 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         static = Int32(0)  # balanced: this launch's choice (the other schedules are fixed)
         if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_BALANCED):
             static = self.counts_balanced(ws, grid)
+        # Hybrid: units below `head` (a multiple of the grid) go out statically, the rest from
+        # the counter (+ head); a balanced launch is static throughout.
+        head = grid
+        if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_HYBRID):
+            if self.counts_balanced(ws, grid) != 0:
+                head = live_units + grid
+            else:
+                head = self.static_head(ws, grid, lane)
         while unit < live_units:
             local_k, chunk = Int32(0), Int32(0)
             if cutlass.const_expr(cfg.split_tokens > 0):
@@ -674,6 +686,11 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                     nxt = unit + grid
                 else:
                     nxt, seq = self.dynamic_next_unit(ws, mailbox, seq, grid, lane)
+            elif cutlass.const_expr(cfg.unit_schedule == SCHEDULE_HYBRID):
+                if unit + grid < head:
+                    nxt = unit + grid
+                else:
+                    nxt, seq = self.dynamic_next_unit(ws, mailbox, seq, head, lane)
             else:
                 nxt, seq = self.dynamic_next_unit(ws, mailbox, seq, grid, lane)
             nxt = cute.arch.shuffle_sync(nxt, 0)
@@ -757,17 +774,35 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         return cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) == 0
 
     @cute.jit
-    def dynamic_next_unit(self, ws, mailbox, seq, grid, lane):
+    def dynamic_next_unit(self, ws, mailbox, seq, base, lane):
         """(the next unit on lane 0, the mailbox sequence number after it) of the dynamic
-        schedule: the counter's next value + grid, through the leader on a cluster."""
+        schedule: the counter's next value + base (the grid: every CTA (cluster) started with
+        its index; hybrid: the static head), through the leader on a cluster."""
         nxt = Int32(0)
         if cutlass.const_expr(self.cluster_size == 1):
             if lane == 0:
-                nxt = cute.arch.atomic_add(ws.counter.iterator, Int32(1)) + grid
+                nxt = cute.arch.atomic_add(ws.counter.iterator, Int32(1)) + base
         else:
-            nxt = self.cluster_next_unit(ws, mailbox, seq, grid, lane)
+            nxt = self.cluster_next_unit(ws, mailbox, seq, base, lane)
             seq += 1
         return nxt, seq
+
+    @cute.jit
+    def static_head(self, ws, grid, lane):
+        """Hybrid schedule, an unbalanced launch: the units handed out statically, a multiple
+        of the grid (at least one round). Units go out longest expert first, so after a static
+        head two CTAs' work differs by at most one unit of the longest expert (`most` tokens);
+        the dynamic tail must hold at least grid x that: it starts at the last rank r whose
+        tokens from r on (rank_tokens, written by the prep work) x units per expert reach
+        grid x most. The warp counts those ranks (rank_tokens does not increase with r)."""
+        cfg = self.cfg
+        need = Int64(ws.most[0]) * Int64(grid)
+        found = Int32(0)
+        for r in range(lane, ws.live[0], 32):
+            found += Int32(Int64(ws.rank_tokens[r]) * cfg.tiles_per_expert >= need)
+        found = cute.arch.warp_redux_sync(found, "add")
+        tail_rank = cutlass.max(found - 1, Int32(0))
+        return cutlass.max(grid, (tail_rank * cfg.tiles_per_expert) // grid * grid)
 
     @cute.jit
     def counts_balanced(self, ws, grid):
@@ -780,11 +815,11 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         return Int32(spread * BALANCED_SPREAD * Int64(grid) <= share)
 
     @cute.jit
-    def cluster_next_unit(self, ws, mailbox, seq, grid, lane):
+    def cluster_next_unit(self, ws, mailbox, seq, base, lane):
         """The cluster's next unit (lane 0; the other lanes get 0), its `seq`-th from the
-        counter. The leader takes it (atomic add, + the clusters that started with their
-        index) and stores it into each peer's mailbox slot with st.async, which completes the
-        peer's full barrier; a peer waits for it and acknowledges on the leader's empty
+        counter. The leader takes it (atomic add, + base: the clusters that started with their
+        index, or the hybrid schedule's static head) and stores it into each peer's mailbox
+        slot with st.async, which completes the peer's full barrier; a peer waits for it and acknowledges on the leader's empty
         barrier, which the leader waits on before reusing the slot. Every CTA of the
         cluster therefore walks the same units, taken dynamically like the 1x1 kernel's."""
         full, empty, slots = mailbox
@@ -794,7 +829,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         if lane == 0:
             if self.is_cluster_leader():
                 cute.arch.mbarrier_wait(empty + slot, phase ^ 1)
-                nxt = cute.arch.atomic_add(ws.counter.iterator, Int32(1)) + grid
+                nxt = cute.arch.atomic_add(ws.counter.iterator, Int32(1)) + base
                 for peer in cutlass.range_constexpr(1, self.cluster_size):
                     cute.arch.store_async_dsmem(slots + 4 * slot, nxt, full + slot, peer)
             else:

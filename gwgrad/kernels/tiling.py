@@ -95,9 +95,12 @@ def split_tokens_problem(split_tokens: int, cluster_shape_mn: Pair, block_scaled
 #: peers); STATIC: units b, b + grid, b + 2 * grid, ... with no counter and no hand-off;
 #: BALANCED: STATIC on a launch whose expert counts are balanced (the largest minus the
 #: smallest nonzero count at most BALANCED_SPREAD of one CTA's share of the work), else
-#: DYNAMIC, decided by the kernel from the counts (no host sync).
-UNIT_SCHEDULES = {0: "default", 1: "dynamic", 2: "static", 3: "balanced"}
+#: DYNAMIC, decided by the kernel from the counts (no host sync); HYBRID: as BALANCED, but an
+#: unbalanced launch takes a static head and a dynamic tail (the shortest experts' units, at
+#: least grid x the longest expert's tokens of work, from the counter).
+UNIT_SCHEDULES = {0: "default", 1: "dynamic", 2: "static", 3: "balanced", 4: "hybrid"}
 SCHEDULE_DEFAULT, SCHEDULE_DYNAMIC, SCHEDULE_STATIC, SCHEDULE_BALANCED = 0, 1, 2, 3
+SCHEDULE_HYBRID = 4
 #: BALANCED's bound: units are handed out longest expert first, so a static order leaves any
 #: two CTAs' work within one unit's length of each other (the largest count minus the
 #: smallest): static when that is at most 1/BALANCED_SPREAD of a CTA's share.
@@ -107,11 +110,11 @@ BALANCED_SPREAD = 50
 def unit_schedule_problem(unit_schedule: int, split_tokens: int, block_scaled: bool,
                           arch: str = "sm_90a") -> Optional[Tuple[str, str]]:
     """(argument, detail) unless ``unit_schedule`` runs: DEFAULT and DYNAMIC everywhere;
-    STATIC and BALANCED in the SM90 BF16 kernel without the K split (a later chunk waits for
-    a lower unit, which a static order may give a CTA that is not yet running)."""
+    STATIC, BALANCED and HYBRID in the SM90 BF16 kernel without the K split (a later chunk
+    waits for a lower unit, which a static order may give a CTA that is not yet running)."""
     if unit_schedule not in UNIT_SCHEDULES:
-        return "unit_schedule", ("expected 0 (the backend's default), 1 (dynamic), 2 (static) "
-                                 f"or 3 (balanced), got {unit_schedule}")
+        return "unit_schedule", ("expected 0 (the backend's default), 1 (dynamic), 2 (static), "
+                                 f"3 (balanced) or 4 (hybrid), got {unit_schedule}")
     if unit_schedule in (SCHEDULE_DEFAULT, SCHEDULE_DYNAMIC):
         return None
     name = UNIT_SCHEDULES[unit_schedule]

@@ -90,6 +90,28 @@ def _epilogue_sync_counts(ptx: str):
             ptx.count("cp.async.bulk.wait_group.read"))
 
 
+def _last_batch_segments(ptx: str):
+    """Per `wgmma.wait_group 0`: the code since the WGMMA batch committed before it."""
+    waits = [m.start() for m in re.finditer(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)]
+    return [ptx[ptx.rfind("wgmma.commit_group", 0, w):w] for w in waits]
+
+
+@pytest.mark.parametrize("tile, cluster, early", [
+    ((128, 128), (1, 1), True), ((128, 128), (1, 2), True), ((64, 128), (1, 1), True),
+    ((128, 256), (1, 1), False),
+], ids=["pingpong", "pingpong-1x2", "pingpong-64x128", "cooperative"])
+def test_pingpong_hands_off_before_the_last_batch_completes(tile, cluster, early):
+    """Pingpong: a group hands the tensor cores to its peer (bar.arrive on the peer's order
+    barrier) once its unit's last WGMMA batch is committed, before it waits for that batch
+    (wait_group 0), as CUTLASS's pingpong kernel does; the cooperative tile has no hand-off."""
+    ptx = compile_ptx(spec("sm_90a", tile=tile, cluster=cluster))
+    gemm = ptx.split(".entry ")[-1]
+    handoffs = [seg for seg in _last_batch_segments(gemm) if "bar.arrive" in seg]
+    assert bool(handoffs) == early, [seg[-300:] for seg in _last_batch_segments(gemm)]
+    for seg in handoffs:
+        assert "wgmma.mma_async" not in seg
+
+
 @pytest.mark.parametrize("case", [
     dict(tile=(128, 128)),
     dict(tile=(64, 128), out="float32", acc=True, mode="discrete"),

@@ -33,7 +33,11 @@ Warp roles (384 threads, one CTA per SM, persistent):
                  cooperative: both warp groups work on one unit, each on half of its rows;
                  pingpong:    each warp group owns every other unit; ordered named barriers
                               hand the tensor cores from one to the other, so one group's
-                              epilogue runs while the other group's mainloop does. The
+                              epilogue runs while the other group's mainloop does. A group
+                              hands over once its unit's last WGMMA batch is issued, before
+                              that batch completes (mainloop, then mainloop_tail), so the
+                              tensor pipe does not drain at each hand-off (session 14: +2.1-
+                              2.7% on 1024-token units, docs/PERF_NOTES.md). The
                               epilogue staging buffers are one set the groups take in turn
                               (EPI_ORDER; each group drains its TMA stores before handing
                               over), or with spec.epi_buffer_sets=2 a set per group, so the
@@ -73,16 +77,19 @@ no atomic counter and, on a cluster, no hand-off from the leader), or balanced: 
 launch whose counts are balanced (counts_balanced, from two words the prep work writes), else
 dynamic, chosen per launch in the kernel; or hybrid: as balanced, but an unbalanced launch
 hands out a static head (a multiple of the grid) and the rest from the counter, the tail
-holding at least grid x the longest expert's tokens of work (static_head; NOT RUN ON A GPU:
-tests/test_sm90_kernel_gpu.py::test_hybrid_schedule is its GPU test). On the H200 (session 13, gwgrad's variants alone)
-a static 1x2 cluster ran 1.00-1.04x the default on the uniform rows and 0.95-0.99x on zipf;
-a static 1x1 CTA 0.67-0.84x (not understood; not a default). The balanced 1x2 pair is the
-default where it measured faster (backends/bf16_sm90.py). Verified on the H200 (session 13):
-tests/test_sm90_kernel_gpu.py::test_static_units (12 cases: 1x1, 1x2, 2x1; its quad case was
-added after that run and has not run) and ::test_balanced_schedule (36 cases: which schedule
-ran is read back and checked against the rule), the whole default GPU set, the fuzz and the
-sanitizers on the new defaults. Compile- and PTX-checked by
-tests/test_compile_sm90.py::test_unit_schedule_compile.
+holding at least grid x the longest expert's tokens of work (static_head). On the H200
+(sessions 13-14, gwgrad's variants alone) a static 1x2 cluster ran 1.00-1.04x the default on
+the uniform rows and 0.95-0.99x on zipf; a static 1x1 CTA 0.67-0.84x: ncu shows it moving
+3.2-4.6x the DRAM bytes of the dynamic order (the likely cause, not shown: CTAs running at
+unequal rates drift apart over the unit order, and the operand panels they share leave the
+L2). The hybrid's static head moves twice the dynamic pair's DRAM bytes on zipf counts (units
+of unequal length): -4.6% on gptoss-fc1 zipf, so it is opt-in. The
+balanced 1x2 pair is the default where it measured faster (backends/bf16_sm90.py). Verified
+on the H200: tests/test_sm90_kernel_gpu.py::test_static_units (15 cases: 1x1, 1x2, 2x1, 2x2),
+::test_balanced_schedule and ::test_hybrid_schedule (36 cases each: which schedule ran, and
+the hybrid's head, are read back and checked against the rule computed in Python), the whole
+default GPU set, the fuzz and the sanitizers on the balanced defaults. Compile- and
+PTX-checked by tests/test_compile_sm90.py::test_unit_schedule_compile.
 
 Pipelines: `ab` (TMA -> WGMMA, mbarriers with transaction counts), `sched` (unit ids, producer
 warp -> all consumer threads), and the TMA store of the epilogue (bulk async groups).
@@ -93,6 +100,12 @@ stmatrix in (64|128) x 64 sub-tiles (x 32 for FP32) and stored with TMA: a plain
 SM100 (GroupedWgradKernel.store_subtile in kernels/common.py); dense outputs use one (hidden,
 intermediate, E) descriptor, discrete outputs the expert's descriptor from the workspace.
 Empty experts get no unit: warps 1-3 store their zeros (above), or nothing when accumulating.
+
+The early pingpong hand-off (session 14) ran on the H200 as it stands in the fuzz (500 cases),
+the sanitizers (39 cases: memcheck, racecheck, synccheck) and the bench's check of every row;
+the whole default GPU set (410) ran on a variant of it that handed off early on every cluster
+unit but on 1x1 CTAs only on units of <= 1024 tokens. PTX-checked by
+tests/test_compile_sm90.py::test_pingpong_hands_off_before_the_last_batch_completes.
 
 Verified on an H200: one launch and two (TestSm90TwoLaunches), every cluster shape; the
 GEMM's numbers in every mode (tests/test_sm90_kernel_gpu.py,
@@ -989,13 +1002,19 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 ab_read, ab_release = self.mainloop(
                     tiled_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release, k_tiles
                 )
+                # Pingpong: the peer group may issue its first WGMMAs while this unit's last
+                # batch is still in the tensor pipe (as CUTLASS's pingpong kernel does), so
+                # the tensor cores do not drain at each hand-off; then wait for that batch.
+                if cutlass.const_expr(self.pingpong):
+                    mma_order_peer.arrive()
+                ab_release = self.mainloop_tail(ab_pipeline, ab_release, k_tiles)
             else:
                 ab_read, ab_release = self.scaled_mainloop(
                     tiled_mma, thr_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release,
                     k_tiles, smem_scales, tile_m, tile_n,
                 )
-            if cutlass.const_expr(self.pingpong):
-                mma_order_peer.arrive()
+                if cutlass.const_expr(self.pingpong):
+                    mma_order_peer.arrive()
             if cutlass.const_expr(scales is not None):
                 self.scale_output(acc, thr_mma, scales, ws, expert, tile_m, tile_n, k_tiles)
 
@@ -1059,7 +1078,8 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
 
     @cute.jit
     def mainloop(self, tiled_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release, k_tiles):
-        """acc = sum over the unit's K blocks; one WGMMA batch kept in flight."""
+        """acc = sum over the unit's K blocks; one WGMMA batch kept in flight. Returns with
+        the last batch possibly still in flight: mainloop_tail waits for it."""
         num_k_blocks = cute.size(tCrA, mode=[2])
         acc.fill(0.0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -1076,13 +1096,19 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 warpgroup.wait_group(1)
                 ab_pipeline.consumer_release(ab_release)
                 ab_release.advance()
+        # Returned so that the caller's loop carries the advanced states: the DSL only threads
+        # values rebound in the loop body itself, not attributes changed inside a helper.
+        return ab_read, ab_release
+
+    @cute.jit
+    def mainloop_tail(self, ab_pipeline, ab_release, k_tiles):
+        """After mainloop: wait for the unit's last WGMMA batch (acc complete) and hand its
+        stage back."""
         warpgroup.wait_group(0)
         if k_tiles > 0:
             ab_pipeline.consumer_release(ab_release)
             ab_release.advance()
-        # Returned so that the caller's loop carries the advanced states: the DSL only threads
-        # values rebound in the loop body itself, not attributes changed inside a helper.
-        return ab_read, ab_release
+        return ab_release
 
     @cute.jit
     def wait_turn(self, turn):

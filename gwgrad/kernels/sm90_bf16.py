@@ -832,9 +832,10 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         """The cluster's next unit (lane 0; the other lanes get 0), its `seq`-th from the
         counter. The leader takes it (atomic add, + base: the clusters that started with their
         index, or the hybrid schedule's static head) and stores it into each peer's mailbox
-        slot with st.async, which completes the peer's full barrier; a peer waits for it and acknowledges on the leader's empty
-        barrier, which the leader waits on before reusing the slot. Every CTA of the
-        cluster therefore walks the same units, taken dynamically like the 1x1 kernel's."""
+        slot with st.async, which completes the peer's full barrier; a peer waits for it and
+        acknowledges on the leader's empty barrier, which the leader waits on before reusing
+        the slot. Every CTA of the cluster therefore walks the same units, taken dynamically
+        like the 1x1 kernel's."""
         full, empty, slots = mailbox
         slot = seq % MBOX_STAGES
         phase = (seq // MBOX_STAGES) % 2

@@ -4,8 +4,9 @@ checkout, in the order A B B A A B ... (each tree first as often as last), each 
 process. The kernel cache keys on the source hash, so the two trees never share a kernel.
 
 For a kernel change that has no spec field to tell the two versions apart in one process:
-    git archive <old commit> gwgrad | tar -x -C ab_old   # untracked, travels to the GPU
+    mkdir ab_old && git archive <old commit> gwgrad | tar -x -C ab_old
     python scripts/ab_bench.py --old ab_old --reps 2 --json $OUT/ab.json -- --rows dsv3-fc1
+(ab_old/ is git-ignored: name it in the device tool's carry to send it to the GPU.)
 
 Prints, per row and variant, old and new TFLOP/s (median over the reps, each rep's figure
 beside it) and new / old. Arguments after ``--`` go to the bench (default: every row,

@@ -962,19 +962,12 @@ class GroupedWgradKernel(GemmEntryPoints):
         (`c_store_op`), through the atom's dense descriptor (`desc_c` None) or through an
         expert's descriptor in the workspace (discrete mode: `tma_desc_ptr_for_copy`); then
         the store group is committed and a staging buffer acquired for reuse."""
-        self.issue_subtile_store(tma_atom_c, sC_buf, gC_sub, desc_c)
-        store_pipeline.producer_commit()
-        store_pipeline.producer_acquire()
-
-    @cute.jit
-    def issue_subtile_store(self, tma_atom_c, sC_buf, gC_sub, desc_c):
-        """The TMA store (or reduce-add) of one staged sub-tile, without committing its bulk
-        group: store_subtile commits each one; SM90's whole-tile epilogue commits a tile's
-        sub-tiles as one group."""
         if cutlass.const_expr(desc_c is None):
             cute.copy(tma_atom_c, sC_buf, gC_sub)
         else:
             cute.copy(tma_atom_c, sC_buf, gC_sub, tma_desc_ptr=desc_c)
+        store_pipeline.producer_commit()
+        store_pipeline.producer_acquire()
 
     # -- unit hand-off: a producer warp publishes each unit's words to the other roles ------
     @cute.jit

@@ -1147,15 +1147,6 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     ):
         """Store acc through the staging buffers epi_base .. epi_base + epi_stage - 1.
 
-        Whole tile (the set holds every sub-tile of the tile: 16-bit outputs): every thread
-        stages all its sub-tiles, one barrier, then the store warp issues their TMA stores as
-        one bulk group and nobody waits for them; the next epilogue's store warp waits until
-        that group has been read (long done, a mainloop later) before the set is written
-        again. Two barriers and one proxy fence per unit; with one set that the pingpong
-        groups take in turn the set is already free (the peer drained it before handing it
-        over), so one barrier. Otherwise (FP32 outputs) sub-tile by sub-tile through a ring
-        of epi_stage buffers: two barriers and a fence per sub-tile.
-
         ``tma_atom_c``: the store atom, or with the K split (store, reduce-add) atoms and
         ``turn`` = (the tile's flag, chunk, chunks): chunk 0 stores (reduce-adds when
         accumulating), a later chunk reduce-adds once the flag says the chunk before it is
@@ -1172,75 +1163,37 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         epi_shape = gC_epi.shape[1]
         epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
         size_rD = cute.size(tRS_rD)
-        if cutlass.const_expr(epi_tiles <= self.epi_stage):
-            if cutlass.const_expr(not (self.pingpong and not self.epi_split)):
-                # The set's last reader is this group's (this CTA's) previous tile's bulk group.
-                if is_store_warp:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                epi_bar.arrive_and_wait()
-            for epi_idx in cutlass.range_constexpr(epi_tiles):
-                for v in cutlass.range_constexpr(size_rD):
-                    tRS_rD[v] = tRS_rAcc[epi_idx * size_rD + v]
-                tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
-                cute.copy(
-                    tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, epi_base + epi_idx)]
-                )
+        first_buffer = n_done * epi_tiles
+        for epi_idx in cutlass.range_constexpr(epi_tiles):
+            for v in cutlass.range_constexpr(size_rD):
+                tRS_rD[v] = tRS_rAcc[epi_idx * size_rD + v]
+            tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
+            buf = epi_base + (first_buffer + epi_idx) % self.epi_stage
+            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
             # stmatrix writes go through the generic proxy; TMA reads through the async one.
             cute.arch.fence_proxy("async.shared", space="cta")
             epi_bar.arrive_and_wait()
             if is_store_warp:
+                gcoord = epi_layout.get_hier_coord(epi_idx)
                 if cutlass.const_expr(turn is None):
-                    for epi_idx in cutlass.range_constexpr(epi_tiles):
-                        self.issue_subtile_store(
-                            store_atom, bSG_sD[(None, epi_base + epi_idx)],
-                            bSG_gD[(None, epi_layout.get_hier_coord(epi_idx))], desc_c,
-                        )
+                    self.store_subtile(
+                        store_atom, bSG_sD[(None, buf)], bSG_gD[(None, gcoord)], desc_c,
+                        store_pipeline,
+                    )
                 else:
-                    self.wait_turn(turn)
+                    if cutlass.const_expr(epi_idx == 0):
+                        self.wait_turn(turn)
                     if turn[1] == 0:
-                        for epi_idx in cutlass.range_constexpr(epi_tiles):
-                            self.issue_subtile_store(
-                                store_atom, bSG_sD[(None, epi_base + epi_idx)],
-                                bSG_gD[(None, epi_layout.get_hier_coord(epi_idx))], desc_c,
-                            )
-                    else:
-                        for epi_idx in cutlass.range_constexpr(epi_tiles):
-                            self.issue_subtile_store(
-                                add_atom, bSG_sD[(None, epi_base + epi_idx)],
-                                bSG_gD[(None, epi_layout.get_hier_coord(epi_idx))], desc_c,
-                            )
-                cute.arch.cp_async_bulk_commit_group()
-        else:
-            first_buffer = n_done * epi_tiles
-            for epi_idx in cutlass.range_constexpr(epi_tiles):
-                for v in cutlass.range_constexpr(size_rD):
-                    tRS_rD[v] = tRS_rAcc[epi_idx * size_rD + v]
-                tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
-                buf = epi_base + (first_buffer + epi_idx) % self.epi_stage
-                cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-                cute.arch.fence_proxy("async.shared", space="cta")
-                epi_bar.arrive_and_wait()
-                if is_store_warp:
-                    gcoord = epi_layout.get_hier_coord(epi_idx)
-                    if cutlass.const_expr(turn is None):
                         self.store_subtile(
                             store_atom, bSG_sD[(None, buf)], bSG_gD[(None, gcoord)], desc_c,
                             store_pipeline,
                         )
                     else:
-                        if cutlass.const_expr(epi_idx == 0):
-                            self.wait_turn(turn)
-                        if turn[1] == 0:
-                            self.store_subtile(
-                                store_atom, bSG_sD[(None, buf)], bSG_gD[(None, gcoord)],
-                                desc_c, store_pipeline,
-                            )
-                        else:
-                            self.store_subtile(
-                                add_atom, bSG_sD[(None, buf)], bSG_gD[(None, gcoord)],
-                                desc_c, store_pipeline,
-                            )
-                epi_bar.arrive_and_wait()
+                        self.store_subtile(
+                            add_atom, bSG_sD[(None, buf)], bSG_gD[(None, gcoord)], desc_c,
+                            store_pipeline,
+                        )
+            epi_bar.arrive_and_wait()
         if cutlass.const_expr(turn is not None):
             if is_store_warp:
                 self.pass_turn(turn)

@@ -267,25 +267,3 @@ def test_default_unit_schedule_is_resolved():
     assert final.unit_schedule in (1, 2, 3)
     assert compile_ptx(replace(base, unit_schedule=0)) == compile_ptx(
         replace(base, unit_schedule=final.unit_schedule))
-
-
-@pytest.mark.parametrize("tile, cluster, acc", [
-    ((128, 256), (1, 1), False), ((128, 128), (1, 2), False), ((128, 128), (1, 1), True),
-], ids=["cooperative", "pair", "accumulate"])
-def test_zero_fill_is_paced_by_the_units_taken(tile, cluster, acc):
-    """The producer warp publishes the units its CTA has taken in shared memory (0 at the
-    start, ordered by a 128-thread barrier with the zero warps; each unit; PACE_DONE after
-    the last) and the zero warps read it (relaxed, polling with nanosleep) before each empty
-    expert; accumulating there are no zeros and no pace."""
-    ptx = compile_ptx(spec("sm_90a", tile=tile, cluster=cluster, acc=acc))
-    gemm = ptx.split(".entry ")[-1]
-    stores = re.findall(r"st\.relaxed\.cta\.shared::cta\.b32", gemm)
-    loads = re.findall(r"ld\.relaxed\.cta\.shared::cta\.b32", gemm)
-    starts = re.findall(r"bar\.sync\s+7, 128;", gemm)
-    if acc:
-        assert not stores and not loads and not starts and "nanosleep" not in gemm
-        return
-    assert len(stores) >= 3 and loads and len(starts) == 2 and "nanosleep.u32" in gemm
-    assert str(1 << 30) in gemm  # PACE_DONE
-    # The zero stores come after the first pace read.
-    assert gemm.find("st.global.cs.v4") > gemm.find(loads[0] if loads else "")

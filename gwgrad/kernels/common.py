@@ -725,13 +725,6 @@ def store_zeros_16b(address: Int64, *, loc=None, ip=None) -> None:
     cute.arch.store(ptr, zeros, cop="cs", loc=loc, ip=ip)
 
 
-def nanosleep(ns: Int32, *, loc=None, ip=None) -> None:
-    """Suspend the calling thread for about ``ns`` nanoseconds (``nanosleep.u32``)."""
-    llvm.inline_asm(None, [Int32(ns).ir_value(loc=loc, ip=ip)], "nanosleep.u32 $0;", "r",
-                    has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
 @cute.jit
 def decode_unit(cfg: cutlass.Constexpr, unit: Int32, ws: Workspace):
     """unit -> (expert, tile_m, tile_n, begin, k_tiles); with the K split, of the unit's

@@ -159,7 +159,6 @@ from .common import (
     dense_output_view,
     expert_output_view,
     gemm_views,
-    nanosleep,
     output_ptr_ok,
     store_zeros_16b,
     tma_desc_ptr_for_copy,
@@ -209,15 +208,6 @@ class Barrier(enum.IntEnum):
     EPI = 1  # the epilogue's threads: both consumer groups (cooperative), or one (1, 2)
     MMA_ORDER = 3  # pingpong: the tensor cores pass from one group to the other (3, 4)
     EPI_ORDER = 5  # pingpong: the epilogue staging buffers pass likewise (5, 6)
-    ZERO_START = 7  # the producer warp and the zero warps: the pacing word initialized
-
-
-# Zero-fill pacing (zero_empty_experts): the zero warps keep pace with their CTA's units, so
-# that the empty experts' zeros are spread over the GEMM instead of taking the DRAM at its
-# start; they are due when the CTA has taken PACE_NUM / PACE_DEN of its share of the units.
-PACE_NUM, PACE_DEN = 3, 4
-PACE_DONE = 1 << 30  # the pacing word once the producer has taken its last unit
-PACE_POLL_NS = 1000
 
 
 class Sm90GroupedWgrad(GroupedWgradKernel):
@@ -443,9 +433,6 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             ab_mbar: cute.struct.MemRange[Int64, self.ab_stage * 2]
             sched_mbar: cute.struct.MemRange[Int64, SCHED_STAGES * 2]
             sched_slots: cute.struct.MemRange[Int32, SCHED_STAGES * 4]
-            # Units this CTA's producer has taken (PACE_DONE after the last): the zero warps'
-            # pace (zero_empty_experts).
-            units_taken: cute.struct.MemRange[Int32, 1]
             sA: cute.struct.Align[
                 cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_layout_staged)], 1024
             ]
@@ -587,27 +574,15 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         smem_scales = self.scale_buffers(all_storage)
         pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
 
-        # The zero warps' pace: units this CTA has taken, 0 before the first (written by the
-        # producer warp, read by the zero warps once the barrier has ordered the first write).
-        taken = None
-        zero_start = pipeline.NamedBarrier(int(Barrier.ZERO_START), WARP_GROUP_THREADS)
-        if cutlass.const_expr(not self.cfg.accumulate):
-            taken = storage.units_taken.data_ptr()
         if warp_group_idx == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == WarpRole.TMA:
-                if cutlass.const_expr(taken is not None):
-                    if cute.arch.lane_idx() == 0:
-                        cute.arch.store(taken, Int32(0), sem="relaxed", scope="cta")
-                    zero_start.arrive_and_wait()
                 self.producer(
                     tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB,
                     ab_pipeline, sched_pipeline, sched_slots, ws, scales, smem_scales, mailbox,
-                    taken,
                 )
-            elif cutlass.const_expr(taken is not None):
-                zero_start.arrive_and_wait()
-                self.zero_empty_experts(ws, c_out, wgrad_ptrs, tidx - WARP_SIZE, taken)
+            elif cutlass.const_expr(not self.cfg.accumulate):
+                self.zero_empty_experts(ws, c_out, wgrad_ptrs, tidx - WARP_SIZE)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consumer(
@@ -663,7 +638,6 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     def producer(
         self, tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB,
         ab_pipeline, sched_pipeline, sched_slots, ws, scales, smem_scales, mailbox=None,
-        taken=None,
     ):
         cfg = self.cfg
         lane = cute.arch.lane_idx()
@@ -710,7 +684,6 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 head = live_units + grid
             else:
                 head = self.static_head(ws, grid, lane)
-        n_taken = Int32(0)
         while unit < live_units:
             local_k, chunk = Int32(0), Int32(0)
             if cutlass.const_expr(cfg.split_tokens > 0):
@@ -718,10 +691,6 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             self.publish(sched_pipeline, sched_state, sched_slots, unit, expert, k_tiles, lane,
                          chunk)
             sched_state.advance()
-            n_taken += 1
-            if cutlass.const_expr(taken is not None):
-                if lane == 0:
-                    cute.arch.store(taken, n_taken, sem="relaxed", scope="cta")
             nxt = Int32(0)
             if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_STATIC):
                 nxt = unit + grid
@@ -774,10 +743,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 ab_state.advance()
             unit = nxt
             expert, tile_m, tile_n, begin, k_tiles = n_expert, n_tile_m, n_tile_n, n_begin, n_k_tiles
-        # Tell the zero warps and the consumers there is no more work.
-        if cutlass.const_expr(taken is not None):
-            if lane == 0:
-                cute.arch.store(taken, Int32(PACE_DONE), sem="relaxed", scope="cta")
+        # Tell the consumers there is no more work.
         self.publish(sched_pipeline, sched_state, sched_slots, unit, Int32(-1), Int32(0), lane,
                      Int32(0))
         ab_pipeline.producer_tail(ab_state)
@@ -791,37 +757,20 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                                             ((seq + i) // MBOX_STAGES + 1) % 2)
 
     @cute.jit
-    def zero_empty_experts(self, ws, c_out, wgrad_ptrs, tid, taken):
+    def zero_empty_experts(self, ws, c_out, wgrad_ptrs, tid):
         """Warps ZERO..ZERO+2 (``tid`` 0..95 among them): zero the outputs of the experts
         without tokens (ranks live .. E-1) with 16-byte streaming stores, each expert's
         output split over the whole grid (thread t of CTA b takes the 16-byte words b * 96 + t
         + k * grid * 96). The units of those experts are never handed out, so no consumer
         spends an epilogue on them, and these stores overlap the other units' math. Discrete
-        outputs whose address is null or misaligned are skipped, as in the epilogue.
-
-        Paced (session 15): the j-th empty expert waits until this CTA's producer has taken
-        j / empties of PACE_NUM / PACE_DEN of its share of the units (``taken``, in shared
-        memory; the first expert goes at once, and all once the producer has taken its last
-        unit). Unpaced, the zeros took the DRAM at the kernel's start, when the GEMM loads
-        its first panels, and did not overlap it (docs/PERF_NOTES.md, session 15)."""
+        outputs whose address is null or misaligned are skipped, as in the epilogue."""
         cfg = self.cfg
         threads = 3 * WARP_SIZE
         expert_bytes = cfg.hidden * cfg.intermediate * (cfg.cutlass_c_dtype.width // 8)
         words = expert_bytes // 16  # hidden, intermediate: multiples of 8
         first = Int32(cute.arch.block_idx()[0]) * threads + tid
         step = Int32(cute.arch.grid_dim()[0]) * threads
-        live = ws.live[0]
-        live_units = live * cfg.tiles_per_expert
-        if cutlass.const_expr(cfg.split_tokens > 0):
-            live_units = ws.vlive[0] * cfg.tiles_per_expert
-        _, _, clusters = self.cluster_coord()
-        share = (live_units + clusters - 1) // clusters
-        due = cutlass.max(share * PACE_NUM // PACE_DEN, Int32(1))
-        empties = Int64(cfg.num_experts - live)
-        allowed = Int32(1)  # empty experts this CTA may zero so far
-        for rank in range(live, cfg.num_experts):
-            if rank - live >= allowed:
-                allowed = self.zero_allowance(taken, empties, due, rank - live)
+        for rank in range(ws.live[0], cfg.num_experts):
             expert = ws.order[rank]
             if cutlass.const_expr(cfg.output_mode == "dense"):
                 base = c_out.iterator.toint() + Int64(expert) * expert_bytes
@@ -832,23 +781,6 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                     base = wgrad_ptrs[expert]
                     for word in range(first, words, step):
                         store_zeros_16b(base + Int64(word) * 16)
-
-    @cute.jit
-    def zero_allowance(self, taken, empties, due, index):
-        """The number of empty experts the zero warps may have zeroed, once it exceeds
-        ``index``: 1 + empties * units taken / due, or all of them (PACE_DONE)."""
-        allowed = Int32(0)
-        waiting = True
-        while waiting:
-            n = cute.arch.load(taken, Int32, sem="relaxed", scope="cta")
-            if n >= PACE_DONE:
-                allowed = Int32(empties)
-            else:
-                allowed = Int32(1 + empties * Int64(n) // Int64(due))
-            waiting = allowed <= index
-            if waiting:
-                nanosleep(Int32(PACE_POLL_NS))
-        return allowed
 
     def is_cluster_leader(self):
         """Whether this CTA (rank 0 of its cluster) takes the cluster's units."""

@@ -213,6 +213,39 @@ def test_static_units(monkeypatch, seed, case, grid):
     run_and_check(spec, counts, out_dtype)
 
 
+ZERO_FILL_CASES = [  # (tile, cluster), majors, order, mode, out, accumulate (no zeros)
+    (((128, 256), (1, 1)), ("m", "n"), "tensor2d", "dense", torch.bfloat16, False),
+    (((128, 128), (1, 1)), ("k", "n"), "tensor_ragged", "discrete", torch.float16, False),
+    (((128, 128), (1, 2)), ("m", "k"), "tensor2d", "dense", torch.float32, False),
+    (((128, 128), (1, 2), 2), ("m", "n"), "tensor2d", "discrete", torch.bfloat16, False),
+]
+
+
+@pytest.mark.parametrize("case", range(len(ZERO_FILL_CASES)))
+@pytest.mark.parametrize("counts", ["most_empty", "one_live", "all_empty"])
+@pytest.mark.parametrize("grid", ["resident", "one_cluster", "oversubscribed"])
+def test_zero_fill_of_empty_experts(monkeypatch, seed, case, counts, grid):
+    """The empty experts' outputs are zeroed by the producer warp group's three zero warps
+    (zero_empty_experts), spread over the grid, while the live experts' units run: with
+    most experts empty, a single live expert (most CTAs take no unit), every expert empty (no
+    unit at all), on the resident grid, one CTA (cluster) taking every unit, and 3x the
+    resident grid, every output comes out right against FP64 (NaN-poisoned: every empty
+    expert's zeros written, dense or discrete, 16- or 32-bit) and the launch returns."""
+    from gpu_kernel_checks import run_and_check
+
+    spec, _, _, compiled, out_dtype = _scheduled(ZERO_FILL_CASES[case], 1, dims=(256, 384, 40))
+    _grid_for(monkeypatch, compiled, grid)
+    gen = torch.Generator().manual_seed(seed)
+    values = (torch.randint(1, 60, (40,), generator=gen) * 8).tolist()
+    if counts == "most_empty":
+        values = [v if e % 5 == 0 else 0 for e, v in enumerate(values)]
+    elif counts == "one_live":
+        values = [0] * 39 + [values[0]]
+    else:
+        values = [0] * 40
+    run_and_check(spec, values, out_dtype)
+
+
 BALANCED_CASES = [  # (tile, cluster), majors, order, mode, out, accumulate
     (((128, 128), (1, 1)), ("m", "n"), "tensor2d", "dense", torch.bfloat16, False),
     (((128, 128), (1, 2)), ("k", "n"), "tensor_ragged", "discrete", torch.bfloat16, False),

@@ -26,8 +26,10 @@ Warp roles (384 threads, one CTA per SM, persistent):
                  boundaries. Only the experts with tokens have units (the first live *
                  tiles_per_expert; workspace byte 16). Warps 1-3 (WarpRole.ZERO) zero the
                  empty experts' outputs meanwhile with 16-byte streaming stores spread over
-                 the grid (zero_empty_experts; nothing when accumulating). Registers are given
-                 away (setmaxnreg 40).
+                 the grid (zero_empty_experts; nothing when accumulating; verified by
+                 tests/test_sm90_kernel_gpu.py::test_zero_fill_of_empty_experts). They cost
+                 3-25% on the zipf rows, in L2 traffic (session 15; pacing them over the GEMM
+                 measured slower, docs/PERF_NOTES.md). Registers are given away (setmaxnreg 40).
   warp groups 1-2 consumer() (setmaxnreg 232): per unit mainloop() (WGMMA, FP32 accumulators
                  in registers), then epilogue(); the two groups share the work:
                  cooperative: both warp groups work on one unit, each on half of its rows;
@@ -95,7 +97,9 @@ Pipelines: `ab` (TMA -> WGMMA, mbarriers with transaction counts), `sched` (unit
 warp -> all consumer threads), and the TMA store of the epilogue (bulk async groups).
 
 Epilogue: accumulators are converted to the output dtype, written to shared memory with
-stmatrix in (64|128) x 64 sub-tiles (x 32 for FP32) and stored with TMA: a plain store, or a reduce-add
+stmatrix in (64|128) x 64 sub-tiles (x 32 for FP32), each stored with TMA as soon as it is
+staged (staging the whole tile first, with fewer barriers, measured 0.94-0.99x: session 15): a
+plain store, or a reduce-add
 (`cp.reduce.async.bulk.tensor .add`) when accumulating, issued by the store helper shared with
 SM100 (GroupedWgradKernel.store_subtile in kernels/common.py); dense outputs use one (hidden,
 intermediate, E) descriptor, discrete outputs the expert's descriptor from the workspace.

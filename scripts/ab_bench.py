@@ -9,14 +9,18 @@ For a kernel change that has no spec field to tell the two versions apart in one
 (ab_old/ is git-ignored: name it in the device tool's carry to send it to the GPU.)
 
 Prints, per row and variant, old and new TFLOP/s (median over the reps, each rep's figure
-beside it) and new / old. Arguments after ``--`` go to the bench (default: every row,
---rounds 10 --sample-ms 12). Exit status 1 when a bench run fails.
+beside it), new / old, and a verdict from the reps: rep r pairs the r-th run of each tree,
+which ran next to each other; "faster" / "slower" when every rep's new / old lies on that
+side of 1, "mixed" otherwise (the noise is larger than the difference). A last line counts
+the verdicts and gives the geomean of new / old. Arguments after ``--`` go to the bench
+(default: every row, --rounds 10 --sample-ms 12). Exit status 1 when a bench run fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -61,9 +65,23 @@ def summarize(runs: dict) -> list[dict]:
         new = [r[key] for r in runs["new"] if key in r]
         if not old or not new:
             continue
+        per_rep = [n / o for o, n in zip(old, new)]
+        verdict = ("faster" if all(r > 1 for r in per_rep) else
+                   "slower" if all(r < 1 for r in per_rep) else "mixed")
         table.append({"row": key[0], "dist": key[1], "variant": key[2], "old": old, "new": new,
-                      "new_over_old": statistics.median(new) / statistics.median(old)})
+                      "new_over_old": statistics.median(new) / statistics.median(old),
+                      "per_rep": per_rep, "verdict": verdict})
     return table
+
+
+def overall(table: list[dict]) -> str:
+    """The verdicts counted and the geomean of new / old over the table's lines."""
+    if not table:
+        return "no rows"
+    counts = {v: sum(t["verdict"] == v for t in table) for v in ("faster", "slower", "mixed")}
+    geomean = math.exp(sum(math.log(t["new_over_old"]) for t in table) / len(table))
+    return (f"{len(table)} lines: {counts['faster']} faster, {counts['slower']} slower, "
+            f"{counts['mixed']} mixed in every rep; geomean new/old {geomean:.3f}")
 
 
 def main(argv=None) -> int:
@@ -104,16 +122,18 @@ def main(argv=None) -> int:
                 return 1
             runs[tag].append(rates(path))
     table = summarize(runs)
-    print(f"{'row':14} {'dist':8} {'variant':42} {'old':>8} {'new':>8} {'new/old':>8}  each rep")
+    print(f"{'row':14} {'dist':8} {'variant':42} {'old':>8} {'new':>8} {'new/old':>8} "
+          f"{'verdict':7}  each rep (old/new)")
     for t in table:
         reps = " ".join(f"{o:.1f}/{n:.1f}" for o, n in zip(t["old"], t["new"]))
         print(f"{t['row']:14} {t['dist']:8} {t['variant'][:42]:42} "
               f"{statistics.median(t['old']):8.1f} {statistics.median(t['new']):8.1f} "
-              f"{t['new_over_old']:8.3f}  {reps}")
+              f"{t['new_over_old']:8.3f} {t['verdict']:7}  {reps}")
+    print(overall(table))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"old": args.old, "reps": args.reps, "bench_args": extra, "rows": table},
-                      f, indent=1)
+            json.dump({"old": args.old, "reps": args.reps, "bench_args": extra, "rows": table,
+                       "summary": overall(table)}, f, indent=1)
     return 0
 
 

@@ -52,6 +52,25 @@ def test_rates_and_summary(tmp_path):
     assert table["gwgrad"]["new_over_old"] == pytest.approx(111.0 / 101.0)
     assert table["gwgrad_128x128"]["new_over_old"] == pytest.approx(1.0)
     assert table["gwgrad"]["old"] == [100.0, 102.0]
+    # Rep r pairs the r-th run of each tree: both reps faster for the default; the variant
+    # is slower in one rep and faster in the other.
+    assert table["gwgrad"]["per_rep"] == pytest.approx([1.1, 112.0 / 102.0])
+    assert table["gwgrad"]["verdict"] == "faster"
+    assert table["gwgrad_128x128"]["verdict"] == "mixed"
+    assert ab.overall(list(table.values())) == (
+        "2 lines: 1 faster, 0 slower, 1 mixed in every rep; geomean new/old "
+        f"{(111.0 / 101.0) ** 0.5:.3f}")
+
+
+def test_verdict_slower_only_when_every_rep_is():
+    ab = load()
+    key = ("r", "zipf", "gwgrad")
+    runs = {"old": [{key: 100.0}, {key: 100.0}, {key: 100.0}],
+            "new": [{key: 95.0}, {key: 99.0}, {key: 101.0}]}
+    assert ab.summarize(runs)[0]["verdict"] == "mixed"
+    runs["new"][2] = {key: 99.9}
+    assert ab.summarize(runs)[0]["verdict"] == "slower"
+    assert ab.overall([]) == "no rows"
 
 
 def test_old_tree_must_hold_gwgrad(tmp_path, capsys):

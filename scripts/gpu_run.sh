@@ -13,8 +13,9 @@
 #   qbench (bench/quantize.py), fuzz (tests/test_fuzz_gpu.py), sanitize (scripts/sanitize.py),
 #   soak (scripts/soak.py), overlap (scripts/overlap_stall.py: gwgrad beside held SMs),
 #   reliability (the main-grad layer, short soak and two-GPU tests),
-#   ncu (scripts/profile_gemm.py under Nsight Compute: gwgrad vs dense cuBLAS per row);
-#   these are not in the default run's budget.
+#   ncu (scripts/profile_gemm.py under Nsight Compute: gwgrad vs dense cuBLAS per row),
+#   zerocost (scripts/zero_fill_cost.py: the empty experts' zeros' cost, an A/B against a
+#   copy that writes none); these are not in the default run's budget.
 #
 # Files under $OUT (default /tmp/gwgrad-out; at most 6, one folder): run.log (every step's
 # full output), overhead.json, coldstart.json, bench.json, bench.png, isolated.json
@@ -203,6 +204,14 @@ for s in $steps; do
       cat "$OUT/step.txt"
       "$PY" scripts/profile_gemm.py --summarize "$OUT/ncu.csv" | tee "$OUT/ncu_summary.txt"
       done_step ncu $rc ;;
+    zerocost)
+      # The zipf rows against a copy of this checkout whose zero warps write nothing
+      # (session 15); GWGRAD_ZEROCOST_REPS runs of each (default 2).
+      step zerocost 240 || continue
+      capture "$PY" scripts/zero_fill_cost.py --reps ${GWGRAD_ZEROCOST_REPS:-2} \
+        --json "$OUT/zero_fill_cost.json"
+      tail -8 "$OUT/step.txt"
+      done_step zerocost $rc ;;
     overlap)
       # scripts/overlap_stall.py: gwgrad beside a kernel that holds some SMs (one launch / two).
       step overlap 120 || continue

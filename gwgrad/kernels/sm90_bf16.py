@@ -28,8 +28,9 @@ Warp roles (384 threads, one CTA per SM, persistent):
                  empty experts' outputs meanwhile with 16-byte streaming stores spread over
                  the grid (zero_empty_experts; nothing when accumulating; verified by
                  tests/test_sm90_kernel_gpu.py::test_zero_fill_of_empty_experts). They cost
-                 3-25% on the zipf rows (session 15: ncu shows their L2 traffic, not operand
-                 re-reads; pacing them over the GEMM measured slower, docs/PERF_NOTES.md).
+                 8-25% on zipf rows with many empty experts (session 15: ncu shows their L2
+                 traffic, not operand re-reads; pacing them over the GEMM measured slower,
+                 docs/PERF_NOTES.md).
                  Registers are given away (setmaxnreg 40).
   warp groups 1-2 consumer() (setmaxnreg 232): per unit mainloop() (WGMMA, FP32 accumulators
                  in registers), then epilogue(); the two groups share the work:

@@ -23,9 +23,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL = os.path.join("gwgrad", "kernels", "sm90_bf16.py")
-ZERO_LOOP = "        for rank in range(ws.live[0], cfg.num_experts):\n"
-NO_ZERO_LOOP = ("        for rank in range(cfg.num_experts, cfg.num_experts):"
-                "  # zero_fill_cost.py: no zeros\n")
+ZERO_LOOP = "for rank in range(ws.live[0], cfg.num_experts):"
+NO_ZERO_LOOP = "for rank in range(cfg.num_experts, cfg.num_experts):  # zero_fill_cost.py: no zeros"
 DEFAULT_BENCH = ["--dist", "zipf", "--rows", "qwen3-30b-fc1,qwen3-30b-fc2,dsv2lite-fc1,fine-256e"]
 
 
@@ -40,13 +39,15 @@ def no_zeros_tree(dest: str, root: str = HERE) -> str:
                         ignore=shutil.ignore_patterns("__pycache__"))
     path = os.path.join(dest, KERNEL)
     with open(path) as f:
-        source = f.read()
-    if source.count(ZERO_LOOP) != 1:
-        raise RuntimeError(f"{KERNEL}: expected zero_empty_experts' loop {ZERO_LOOP.strip()!r} "
-                           f"once, found it {source.count(ZERO_LOOP)} times; update "
-                           f"scripts/zero_fill_cost.py")
+        lines = f.read().split("\n")
+    hits = [i for i, line in enumerate(lines) if line.strip() == ZERO_LOOP]
+    if len(hits) != 1:
+        raise RuntimeError(f"{KERNEL}: expected zero_empty_experts' loop {ZERO_LOOP!r} once, "
+                           f"found it {len(hits)} times; update scripts/zero_fill_cost.py")
+    line = lines[hits[0]]
+    lines[hits[0]] = line[:len(line) - len(line.lstrip())] + NO_ZERO_LOOP
     with open(path, "w") as f:
-        f.write(source.replace(ZERO_LOOP, NO_ZERO_LOOP))
+        f.write("\n".join(lines))
     return dest
 
 

@@ -28,19 +28,25 @@ def test_copy_differs_in_the_zero_loop_only(tmp_path):
     new = (tmp_path / zc.KERNEL).read_text().splitlines()
     changed = [(a, b) for a, b in zip(old, new) if a != b]
     assert len(old) == len(new) and len(changed) == 1, changed
-    assert changed[0] == (zc.ZERO_LOOP.rstrip("\n"), zc.NO_ZERO_LOOP.rstrip("\n"))
+    assert changed[0][0].strip() == zc.ZERO_LOOP
+    assert changed[0][1].strip() == zc.NO_ZERO_LOOP
+    indent = len(changed[0][0]) - len(changed[0][0].lstrip())
+    assert changed[0][1][:indent].strip() == "" and changed[0][1][indent] != " "
     assert (tmp_path / "gwgrad" / "__init__.py").is_file()
     assert (tmp_path / "gwgrad" / "adapters" / "torch.py").is_file()  # gwgrad.adapters.torch
 
 
-def test_refuses_when_the_loop_moved(tmp_path):
+def test_refuses_unless_the_loop_is_there_once(tmp_path):
     zc = load()
     fake = tmp_path / "root"
     (fake / "gwgrad" / "kernels").mkdir(parents=True)
     (fake / "gwgrad" / "__init__.py").write_text("")
     (fake / zc.KERNEL).write_text("for rank in range(live, E):\n")
-    with pytest.raises(RuntimeError, match="expected zero_empty_experts' loop"):
+    with pytest.raises(RuntimeError, match="found it 0 times"):
         zc.no_zeros_tree(str(tmp_path / "copy"), root=str(fake))
+    (fake / zc.KERNEL).write_text(f"    {zc.ZERO_LOOP}\n        {zc.ZERO_LOOP}\n")
+    with pytest.raises(RuntimeError, match="found it 2 times"):
+        zc.no_zeros_tree(str(tmp_path / "copy2"), root=str(fake))
 
 
 def test_copy_compiles_without_the_zero_stores(tmp_path):

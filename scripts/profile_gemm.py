@@ -37,9 +37,12 @@ from gwgrad.bench import (DEFAULT_SHAPES, RowInputs, config_name, parse_tile,  #
 METRICS = {"Duration": "us", "Compute (SM) Throughput": "sm%", "DRAM Throughput": "dram%",
            "Memory Throughput": "mem%", "L2 Cache Throughput": "l2%",
            "L1/TEX Cache Throughput": "l1%",
-           "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active": "tensor%"}
+           "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active": "tensor%",
+           "SM Frequency": "ghz"}
 _TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
           "s": 1e6, "second": 1e6}
+_TO_GHZ = {"hz": 1e-9, "khz": 1e-6, "mhz": 1e-3, "ghz": 1.0, "cycle/second": 1e-9,
+           "cycle/usecond": 1e-3, "cycle/nsecond": 1.0}
 
 
 #: ncu's per-reason warp stall metrics (WarpStateStats): warps stalled for that reason per
@@ -77,14 +80,23 @@ def summarize(path: str) -> str:
                 value = float(r[col["Metric Value"]].replace(",", ""))
                 if METRICS[metric] == "us":
                     value *= _TO_US.get(unit, float("nan"))
+                elif METRICS[metric] == "ghz":
+                    value *= _TO_GHZ.get(unit.lower(), float("nan"))
                 elif unit != "%":
                     continue  # "Memory Throughput" also comes in bytes/s
                 k[METRICS[metric]] = value
-    cols = ["us", "sm%", "mem%", "l1%", "l2%", "dram%", "tensor%"]
+    # The SM clock (ncu --clock-control none leaves it to the GPU's power management) and
+    # the duration in clock cycles: a kernel that needs as many cycles as another but runs
+    # at a lower clock loses to power, not to its schedule (session 16).
+    for k in kernels.values():
+        if "us" in k and "ghz" in k:
+            k["Mcyc"] = k["us"] * k["ghz"] / 1e3
+    cols = ["us", "sm%", "mem%", "l1%", "l2%", "dram%", "tensor%", "ghz", "Mcyc"]
     lines = [f"{'id':>3} {'kernel':<52} " + " ".join(f"{c:>7}" for c in cols)]
     for kid, k in kernels.items():
         lines.append(f"{kid:>3} {k['name'][:52]:<52} " + " ".join(
-            f"{k[c]:7.1f}" if c in k else f"{'-':>7}" for c in cols))
+            (f"{k[c]:7.3f}" if c in ("ghz", "Mcyc") else f"{k[c]:7.1f}") if c in k
+            else f"{'-':>7}" for c in cols))
     stalled = [(kid, k) for kid, k in kernels.items() if k.get("stalls")]
     if stalled:
         lines.append(f"warp stalls (warps stalled per issued instruction, the {STALL_TOP} largest "

@@ -39,9 +39,25 @@ def test_units_and_columns(tmp_path):
                                     "_active", "%", "91.5"))
     lines = load().summarize(str(csv)).splitlines()
     assert lines[0].split() == ["id", "kernel", "us", "sm%", "mem%", "l1%", "l2%", "dram%",
-                                "tensor%"]
-    assert lines[1].split() == ["0", "prep", "2.6", "-", "-", "-", "-", "-", "-"]
-    assert lines[2].split() == ["1", "gemm", "1500.0", "-", "86.4", "-", "-", "-", "91.5"]
+                                "tensor%", "ghz", "Mcyc"]
+    assert lines[1].split() == ["0", "prep", "2.6", "-", "-", "-", "-", "-", "-", "-", "-"]
+    assert lines[2].split() == ["1", "gemm", "1500.0", "-", "86.4", "-", "-", "-", "91.5", "-",
+                                "-"]
+
+
+def test_clock_and_cycles(tmp_path):
+    """The SM clock in GHz whatever unit ncu gives it in, and the duration in Mcycles."""
+    csv = tmp_path / "ncu.csv"
+    csv.write_text(HEADER + row(0, "gemm", "Duration", "ms", "5")
+                   + row(0, "gemm", "SM Frequency", "hz", "1,500,000,000")
+                   + row(1, "cublas", "Duration", "us", "4,000")
+                   + row(1, "cublas", "SM Frequency", "cycle/nsecond", "1.75")
+                   + row(2, "odd", "Duration", "us", "10")
+                   + row(2, "odd", "SM Frequency", "furlong", "3"))
+    lines = load().summarize(str(csv)).splitlines()
+    assert lines[1].split()[-2:] == ["1.500", "7.500"]
+    assert lines[2].split()[-2:] == ["1.750", "7.000"]
+    assert lines[3].split()[-2:] == ["nan", "nan"]  # an unknown unit is no figure
 
 
 def test_a_stored_report():

@@ -33,14 +33,16 @@ def check_hopper_ptx(ptx: str, accumulate: bool, cluster: bool = False) -> None:
         assert "cp.async.bulk.tensor" in ptx and ".shared::cta.global" in ptx  # TMA loads
         assert ".multicast::cluster" not in ptx and "st.async" not in ptx
     assert "fence.proxy.tensormap::generic.acquire" in ptx  # per-expert descriptors
-    # Empty experts: zeroed by warps 1-3 with 16-byte streaming stores (nothing to add when
+    # Empty experts: zeroed by warps 1-3 (nothing to add when
     # accumulating); their units are never handed out (the producer reads the live count:
     # with the balanced schedule, in one vector load with the spread and tokens words).
     assert re.search(r"ld\.global\.b32\s+%r\d+, \[%rd\d+\+16\];"
                      r"|ld\.global\.v4\.b32\s+\{[^}]*\}, \[%rd\d+\+16\];"
                      r"|add\.s64\s+(%rd\d+), %rd\d+, 16;[\s\S]*?ld\.global\.v4\.b32\s+\{[^}]*\}, \[\1\];",
                      ptx)
-    assert ("st.global.cs.v4.b32" in ptx) != accumulate
+    # ... by TMA bulk copies of a line of zeros in shared memory.
+    assert ("cp.async.bulk.global.shared::cta.bulk_group" in ptx) != accumulate
+    assert "st.global.cs.v4.b32" not in ptx
     if accumulate:
         assert "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx
     else:
@@ -267,3 +269,24 @@ def test_default_unit_schedule_is_resolved():
     assert final.unit_schedule in (1, 2, 3)
     assert compile_ptx(replace(base, unit_schedule=0)) == compile_ptx(
         replace(base, unit_schedule=final.unit_schedule))
+
+
+@pytest.mark.parametrize("tile, cluster, mode", [
+    ((128, 256), (1, 1), "dense"), ((128, 128), (1, 2), "discrete"),
+], ids=["cooperative-dense", "pair-discrete"])
+def test_zero_fill_copies_a_shared_zero_line(tile, cluster, mode):
+    """The zero warps write one line of zeros to shared memory (32 threads, 16 bytes each),
+    fence it for the async proxy, meet at a 96-thread barrier, then one lane per warp copies
+    the line over the empty experts' outputs with bulk copies, waiting until at most
+    ZERO_IN_FLIGHT are unread and, before it exits, until all are read."""
+    from gwgrad.kernels.sm90_bf16 import ZERO_IN_FLIGHT
+
+    gemm = compile_ptx(spec("sm_90a", tile=tile, cluster=cluster, mode=mode)).split(".entry ")[-1]
+    zero = gemm.index("st.shared.v4.b32")
+    fence = gemm.index("fence.proxy.async.shared::cta", zero)
+    start = re.search(r"bar\.sync\s+7, 96;", gemm[fence:])
+    copy = gemm.index("cp.async.bulk.global.shared::cta.bulk_group", fence)
+    assert start and fence + start.start() < copy
+    tail = gemm[copy:copy + 400]
+    assert re.search(rf"cp\.async\.bulk\.wait_group\.read\s+{ZERO_IN_FLIGHT};", tail)
+    assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", gemm[copy:])

@@ -50,15 +50,15 @@ def test_refuses_unless_the_loop_is_there_once(tmp_path):
 
 
 def test_copy_compiles_without_the_zero_stores(tmp_path):
-    """The copy's SM90 kernel has no 16-byte streaming stores (the zero fill's only ones);
-    the checkout's has them."""
+    """The copy's SM90 kernel has no zero fill (its bulk copies from shared memory to
+    global); the checkout's has it."""
     pytest.importorskip("cutlass")
     zc = load()
     zc.no_zeros_tree(str(tmp_path))
     probe = ("import sys; sys.path.insert(0, {tests!r}); import gwgrad; "
              "from kernel_compile import compile_ptx, spec; "
              "p = compile_ptx(spec('sm_90a', tile=(128, 256), cluster=(1, 1))); "
-             "print(gwgrad.__file__); print('st.global.cs.v4' in p.split('.entry ')[-1])")
+             "print(gwgrad.__file__); print('cp.async.bulk.global.shared::cta' in p.split('.entry ')[-1])")
     results = {}
     for name, tree in (("copy", tmp_path), ("checkout", ROOT)):
         env = dict(os.environ, PYTHONPATH=str(tree) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -725,6 +725,27 @@ def store_zeros_16b(address: Int64, *, loc=None, ip=None) -> None:
     cute.arch.store(ptr, zeros, cop="cs", loc=loc, ip=ip)
 
 
+def bulk_store_from_shared(gaddr: Int64, saddr: Int32, size: Int32, *, loc=None,
+                           ip=None) -> None:
+    """``size`` bytes (a multiple of 16) from shared address ``saddr`` to global ``gaddr``
+    (both 16-byte aligned) by the TMA unit, in the calling thread's current bulk group
+    (``cp.async.bulk.global.shared::cta.bulk_group``)."""
+    llvm.inline_asm(None, [Int64(gaddr).ir_value(loc=loc, ip=ip),
+                           Int32(saddr).ir_value(loc=loc, ip=ip),
+                           Int32(size).ir_value(loc=loc, ip=ip)],
+                    "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;", "l,r,r",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+def store_shared_zeros_16b(saddr: Int32, *, loc=None, ip=None) -> None:
+    """16 zero bytes at shared address ``saddr`` (16-byte aligned)."""
+    llvm.inline_asm(None, [Int32(saddr).ir_value(loc=loc, ip=ip)],
+                    "st.shared.v4.b32 [$0], {0, 0, 0, 0};", "r",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
 @cute.jit
 def decode_unit(cfg: cutlass.Constexpr, unit: Int32, ws: Workspace):
     """unit -> (expert, tile_m, tile_n, begin, k_tiles); with the K split, of the unit's

@@ -25,12 +25,13 @@ Warp roles (384 threads, one CTA per SM, persistent):
                  prefetches its descriptors one unit ahead, so the ring does not drain at unit
                  boundaries. Only the experts with tokens have units (the first live *
                  tiles_per_expert; workspace byte 16). Warps 1-3 (WarpRole.ZERO) zero the
-                 empty experts' outputs meanwhile with 16-byte streaming stores spread over
-                 the grid (zero_empty_experts; nothing when accumulating; verified by
-                 tests/test_sm90_kernel_gpu.py::test_zero_fill_of_empty_experts). They cost
-                 8-25% on zipf rows with many empty experts (session 15: ncu shows their L2
-                 traffic, not operand re-reads; pacing them over the GEMM measured slower,
-                 docs/PERF_NOTES.md).
+                 empty experts' outputs meanwhile: one lane per warp issues TMA bulk copies
+                 of a 512-byte line of zeros in shared memory, spread over the grid
+                 (zero_empty_experts; nothing when accumulating; verified on the H200 by
+                 tests/test_sm90_kernel_gpu.py::test_zero_fill_of_empty_experts, 36/36).
+                 Against session 15's 16-byte stores from 96 threads: 1.02-1.13x on the zipf
+                 rows with empty experts, level elsewhere (session 16); what they still cost
+                 against writing no zeros: docs/PERF_NOTES.md.
                  Registers are given away (setmaxnreg 40).
   warp groups 1-2 consumer() (setmaxnreg 232): per unit mainloop() (WGMMA, FP32 accumulators
                  in registers), then epilogue(); the two groups share the work:
@@ -164,9 +165,10 @@ from .common import (
     decode_unit,
     dense_output_view,
     expert_output_view,
+    bulk_store_from_shared,
     gemm_views,
     output_ptr_ok,
-    store_zeros_16b,
+    store_shared_zeros_16b,
     tma_desc_ptr_for_copy,
     token_origin,
     unit_chunk,
@@ -214,6 +216,14 @@ class Barrier(enum.IntEnum):
     EPI = 1  # the epilogue's threads: both consumer groups (cooperative), or one (1, 2)
     MMA_ORDER = 3  # pingpong: the tensor cores pass from one group to the other (3, 4)
     EPI_ORDER = 5  # pingpong: the epilogue staging buffers pass likewise (5, 6)
+    ZERO = 7  # the three zero warps: the zero line written
+
+
+# The zero fill's source (zero_empty_experts): a line of zeros in shared memory that the TMA
+# unit copies to the empty experts' outputs, ZERO_LINE bytes per bulk copy, at most
+# ZERO_IN_FLIGHT copies per issuing thread not yet read.
+ZERO_LINE = 512
+ZERO_IN_FLIGHT = 8
 
 
 class Sm90GroupedWgrad(GroupedWgradKernel):
@@ -439,6 +449,8 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             ab_mbar: cute.struct.MemRange[Int64, self.ab_stage * 2]
             sched_mbar: cute.struct.MemRange[Int64, SCHED_STAGES * 2]
             sched_slots: cute.struct.MemRange[Int32, SCHED_STAGES * 4]
+            # The zero fill's source line (in the padding before sA's 1024-byte alignment).
+            zero_line: cute.struct.Align[cute.struct.MemRange[Int32, ZERO_LINE // 4], 128]
             sA: cute.struct.Align[
                 cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_layout_staged)], 1024
             ]
@@ -588,7 +600,8 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                     ab_pipeline, sched_pipeline, sched_slots, ws, scales, smem_scales, mailbox,
                 )
             elif cutlass.const_expr(not self.cfg.accumulate):
-                self.zero_empty_experts(ws, c_out, wgrad_ptrs, tidx - WARP_SIZE)
+                self.zero_empty_experts(ws, c_out, wgrad_ptrs, tidx - WARP_SIZE,
+                                        storage.zero_line.data_ptr())
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consumer(
@@ -763,30 +776,45 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                                             ((seq + i) // MBOX_STAGES + 1) % 2)
 
     @cute.jit
-    def zero_empty_experts(self, ws, c_out, wgrad_ptrs, tid):
+    def zero_empty_experts(self, ws, c_out, wgrad_ptrs, tid, zero_line):
         """Warps ZERO..ZERO+2 (``tid`` 0..95 among them): zero the outputs of the experts
-        without tokens (ranks live .. E-1) with 16-byte streaming stores, each expert's
-        output split over the whole grid (thread t of CTA b takes the 16-byte words b * 96 + t
-        + k * grid * 96). The units of those experts are never handed out, so no consumer
-        spends an epilogue on them, and these stores overlap the other units' math. Discrete
-        outputs whose address is null or misaligned are skipped, as in the epilogue."""
+        without tokens (ranks live .. E-1) with TMA bulk copies of a line of zeros in shared
+        memory (``zero_line``, ZERO_LINE bytes), each expert's output split over the whole
+        grid in lines (lane 0 of zero warp w of CTA b copies lines 3b + w + k * 3 * grid),
+        at most ZERO_IN_FLIGHT copies in flight per warp. The units of those experts are
+        never handed out, so no consumer spends an epilogue on them, and these copies
+        overlap the other units' math. Discrete outputs whose address is null or misaligned
+        are skipped, as in the epilogue."""
         cfg = self.cfg
-        threads = 3 * WARP_SIZE
         expert_bytes = cfg.hidden * cfg.intermediate * (cfg.cutlass_c_dtype.width // 8)
-        words = expert_bytes // 16  # hidden, intermediate: multiples of 8
-        first = Int32(cute.arch.block_idx()[0]) * threads + tid
-        step = Int32(cute.arch.grid_dim()[0]) * threads
-        for rank in range(ws.live[0], cfg.num_experts):
-            expert = ws.order[rank]
-            if cutlass.const_expr(cfg.output_mode == "dense"):
-                base = c_out.iterator.toint() + Int64(expert) * expert_bytes
-                for word in range(first, words, step):
-                    store_zeros_16b(base + Int64(word) * 16)
-            else:
-                if output_ptr_ok(wgrad_ptrs, expert):
+        lines = (expert_bytes + ZERO_LINE - 1) // ZERO_LINE
+        line_addr = Int32(zero_line.toint())
+        if tid < ZERO_LINE // 16:
+            store_shared_zeros_16b(line_addr + tid * 16)
+        # The line is written through the generic proxy and read by the TMA unit (async).
+        cute.arch.fence_proxy("async.shared", space="cta")
+        pipeline.NamedBarrier(int(Barrier.ZERO), 3 * WARP_SIZE).arrive_and_wait()
+        if tid % WARP_SIZE == 0:
+            first = Int32(cute.arch.block_idx()[0]) * 3 + tid // WARP_SIZE
+            step = Int32(cute.arch.grid_dim()[0]) * 3
+            for rank in range(ws.live[0], cfg.num_experts):
+                expert = ws.order[rank]
+                base = Int64(0)
+                ok = True
+                if cutlass.const_expr(cfg.output_mode == "dense"):
+                    base = c_out.iterator.toint() + Int64(expert) * expert_bytes
+                else:
+                    ok = output_ptr_ok(wgrad_ptrs, expert)
                     base = wgrad_ptrs[expert]
-                    for word in range(first, words, step):
-                        store_zeros_16b(base + Int64(word) * 16)
+                if ok:
+                    for line in range(first, lines, step):
+                        offset = line * ZERO_LINE
+                        size = cutlass.min(Int32(ZERO_LINE), Int32(expert_bytes - offset))
+                        bulk_store_from_shared(base + Int64(offset), line_addr, size)
+                        cute.arch.cp_async_bulk_commit_group()
+                        cute.arch.cp_async_bulk_wait_group(ZERO_IN_FLIGHT, read=True)
+            # The line must stay until the TMA unit has read it for every copy.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     def is_cluster_leader(self):
         """Whether this CTA (rank 0 of its cluster) takes the cluster's units."""

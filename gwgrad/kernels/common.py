@@ -713,18 +713,6 @@ def check_offsets(
                 cute.arch.fence_acq_rel_sys()
 
 
-@dsl_user_op
-def store_zeros_16b(address: Int64, *, loc=None, ip=None) -> None:
-    """16 zero bytes at global ``address`` (16-byte aligned), streaming (st.global.cs)."""
-    from cutlass._mlir import ir
-    from cutlass._mlir.dialects import vector
-
-    zeros = vector.broadcast(ir.VectorType.get([4], Int32.mlir_type),
-                             Int32(0).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
-    ptr = cute.make_ptr(Int32, address, cute.AddressSpace.gmem, assumed_align=16, loc=loc, ip=ip)
-    cute.arch.store(ptr, zeros, cop="cs", loc=loc, ip=ip)
-
-
 def bulk_store_from_shared(gaddr: Int64, saddr: Int32, size: Int32, *, loc=None,
                            ip=None) -> None:
     """``size`` bytes (a multiple of 16) from shared address ``saddr`` to global ``gaddr``

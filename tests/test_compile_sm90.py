@@ -279,7 +279,7 @@ def test_zero_fill_copies_a_shared_zero_line(tile, cluster, mode):
     fence it for the async proxy, meet at a 96-thread barrier, then one lane per warp copies
     the line over the empty experts' outputs with bulk copies, waiting until at most
     ZERO_IN_FLIGHT are unread and, before it exits, until all are read."""
-    from gwgrad.kernels.sm90_bf16 import ZERO_IN_FLIGHT
+    from gwgrad.kernels.sm90_bf16 import ZERO_IN_FLIGHT, ZERO_LINE
 
     gemm = compile_ptx(spec("sm_90a", tile=tile, cluster=cluster, mode=mode)).split(".entry ")[-1]
     zero = gemm.index("st.shared.v4.b32")
@@ -287,6 +287,8 @@ def test_zero_fill_copies_a_shared_zero_line(tile, cluster, mode):
     start = re.search(r"bar\.sync\s+7, 96;", gemm[fence:])
     copy = gemm.index("cp.async.bulk.global.shared::cta.bulk_group", fence)
     assert start and fence + start.start() < copy
+    # The line's byte offset in 64 bits (an expert's output may pass 2 GiB).
+    assert re.search(rf"mul\.wide\.s32\s+%rd\d+, %r\d+, {ZERO_LINE};", gemm[fence:copy])
     tail = gemm[copy:copy + 400]
     assert re.search(rf"cp\.async\.bulk\.wait_group\.read\s+{ZERO_IN_FLIGHT};", tail)
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", gemm[copy:])

@@ -246,6 +246,34 @@ def test_zero_fill_of_empty_experts(monkeypatch, seed, case, counts, grid):
     run_and_check(spec, values, out_dtype)
 
 
+def test_zero_fill_past_2_gib(seed):
+    """An empty expert whose FP32 output passes 2 GiB (16384 x 32776 x 4 bytes): the zero
+    fill's byte offsets pass 2^31 (64-bit in zero_empty_experts). Its whole output comes out
+    zero, the live expert's right against FP64, and a NaN guard after the output untouched."""
+    from gpu_kernel_checks import LaunchArgs, compiled_for, desc, make_operands, make_spec
+
+    m, n, counts = 16384, 32776, [0, 8]
+    assert m * n * 4 > 2 ** 31
+    spec = make_spec("sm_90a", m, n, 2, "m", "n", "tensor2d", "dense", torch.float32, False,
+                     ((128, 128), (1, 1)))
+    final, backend, compiled = compiled_for(spec)
+    a, b, offs, t, a_parts, b_parts = make_operands(final, counts)
+    guard = 1 << 20
+    flat = torch.full((2 * m * n + guard,), float("nan"), device="cuda")
+    out = flat[:2 * m * n].view(2, m, n)
+    ws = torch.zeros(max(backend.workspace_bytes(final), 1), dtype=torch.uint8, device="cuda")
+    backend.launch(compiled, final, LaunchArgs(
+        a=desc(a), b=desc(b), offsets=desc(offs), tokens_sum=t,
+        stream=torch.cuda.current_stream().cuda_stream, workspace=ws.data_ptr(),
+        wgrad=desc(out)))
+    torch.cuda.synchronize()
+    assert torch.count_nonzero(out[0]).item() == 0, f"seed {seed}: the empty expert is not zero"
+    assert torch.isnan(flat[2 * m * n:]).all(), f"seed {seed}: the guard after the output written"
+    ref = a_parts[1].double() @ b_parts[1].double()
+    err = ((out[1].double() - ref).norm() / ref.norm()).item()
+    assert err <= 1e-2, f"seed {seed}: live expert rel err {err:.3e}"
+
+
 BALANCED_CASES = [  # (tile, cluster), majors, order, mode, out, accumulate
     (((128, 128), (1, 1)), ("m", "n"), "tensor2d", "dense", torch.bfloat16, False),
     (((128, 128), (1, 2)), ("k", "n"), "tensor_ragged", "discrete", torch.bfloat16, False),

@@ -808,9 +808,10 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                     base = wgrad_ptrs[expert]
                 if ok:
                     for line in range(first, lines, step):
-                        offset = line * ZERO_LINE
-                        size = cutlass.min(Int32(ZERO_LINE), Int32(expert_bytes - offset))
-                        bulk_store_from_shared(base + Int64(offset), line_addr, size)
+                        # 64-bit: an expert's output may pass 2 GiB.
+                        offset = Int64(line) * ZERO_LINE
+                        size = Int32(cutlass.min(Int64(ZERO_LINE), expert_bytes - offset))
+                        bulk_store_from_shared(base + offset, line_addr, size)
                         cute.arch.cp_async_bulk_commit_group()
                         cute.arch.cp_async_bulk_wait_group(ZERO_IN_FLIGHT, read=True)
             # The line must stay until the TMA unit has read it for every copy.

@@ -12,8 +12,9 @@ dense FP8 ``torch._scaled_mm`` of equal FLOPs instead.
 
 ``bash scripts/gpu_run.sh ncu`` runs it on the rows below the dense ceiling and the two
 small-expert rows (GWGRAD_NCU_ROWS / GWGRAD_NCU_DISTS / GWGRAD_NCU_ACCUMULATE change that) and keeps the CSV
-and a per-kernel summary (duration, SM / DRAM throughput, tensor-pipe share; with
-GWGRAD_NCU_STALLS=1 also the largest warp stall reasons) under $OUT.
+and a per-kernel summary (duration, SM / DRAM throughput, tensor-pipe share, SM clock,
+duration in clock cycles; with GWGRAD_NCU_STALLS=1 also the largest warp stall reasons)
+under $OUT.
 ``--tiles`` adds gwgrad variants (the bench's ``MxN[:field=value...]`` syntax, e.g.
 ``128x128:unit_schedule=2,128x128:cluster=1x2``; GWGRAD_NCU_TILES in gpu_run.sh), each through
 its launch plan, so that ncu can say why one variant is slower than another.

@@ -33,9 +33,9 @@ def check_hopper_ptx(ptx: str, accumulate: bool, cluster: bool = False) -> None:
         assert "cp.async.bulk.tensor" in ptx and ".shared::cta.global" in ptx  # TMA loads
         assert ".multicast::cluster" not in ptx and "st.async" not in ptx
     assert "fence.proxy.tensormap::generic.acquire" in ptx  # per-expert descriptors
-    # Empty experts: zeroed by warps 1-3 (nothing to add when
-    # accumulating); their units are never handed out (the producer reads the live count:
-    # with the balanced schedule, in one vector load with the spread and tokens words).
+    # Empty experts: zeroed by warps 1-3 (nothing to add when accumulating); their units are
+    # never handed out (the producer reads the live count: with the balanced schedule, in one
+    # vector load with the spread and tokens words).
     assert re.search(r"ld\.global\.b32\s+%r\d+, \[%rd\d+\+16\];"
                      r"|ld\.global\.v4\.b32\s+\{[^}]*\}, \[%rd\d+\+16\];"
                      r"|add\.s64\s+(%rd\d+), %rd\d+, 16;[\s\S]*?ld\.global\.v4\.b32\s+\{[^}]*\}, \[\1\];",

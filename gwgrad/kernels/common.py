@@ -717,7 +717,10 @@ def bulk_store_from_shared(gaddr: Int64, saddr: Int32, size: Int32, *, loc=None,
                            ip=None) -> None:
     """``size`` bytes (a multiple of 16) from shared address ``saddr`` to global ``gaddr``
     (both 16-byte aligned) by the TMA unit, in the calling thread's current bulk group
-    (``cp.async.bulk.global.shared::cta.bulk_group``)."""
+    (``cp.async.bulk.global.shared::cta.bulk_group``). The DSL's ``cpasync.CopyBulkS2GOp``
+    issues the same instruction through a copy atom of a static size; the zero fill's last
+    line of an expert is shorter, so it would need a second atom and tensors around raw
+    addresses."""
     llvm.inline_asm(None, [Int64(gaddr).ir_value(loc=loc, ip=ip),
                            Int32(saddr).ir_value(loc=loc, ip=ip),
                            Int32(size).ir_value(loc=loc, ip=ip)],

@@ -6,7 +6,9 @@ process. The kernel cache keys on the source hash, so the two trees never share 
 For a kernel change that has no spec field to tell the two versions apart in one process:
     mkdir ab_old && git archive <old commit> gwgrad | tar -x -C ab_old
     python scripts/ab_bench.py --old ab_old --reps 2 --json $OUT/ab.json -- --rows dsv3-fc1
-(ab_old/ is git-ignored: name it in the device tool's carry to send it to the GPU.)
+(ab_old/ and every ab_*/ are git-ignored: name them in the device tool's carry to send them
+to the GPU.) --new DIR times another tree instead of this checkout (two variants of one
+baseline: ab_bench.py --old ab_old --new ab_v1, then --new ab_v2).
 
 Prints, per row and variant, old and new TFLOP/s (median over the reps, each rep's figure
 beside it), new / old, and a verdict from the reps: rep r pairs the r-th run of each tree,
@@ -92,6 +94,8 @@ def main(argv=None) -> int:
         argv, extra = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--old", required=True, help="a directory holding the old tree's gwgrad/")
+    p.add_argument("--new", default="",
+                   help="a directory holding the new tree's gwgrad/ (default: this checkout)")
     p.add_argument("--reps", type=int, default=2, help="runs of each tree (default 2)")
     p.add_argument("--timeout", type=int, default=240, help="seconds per bench run")
     p.add_argument("--json", default="", help="write the table here")
@@ -100,6 +104,10 @@ def main(argv=None) -> int:
     if not os.path.isfile(os.path.join(old_dir, "gwgrad", "__init__.py")):
         p.error(f"--old: expected a directory holding gwgrad/__init__.py, got {args.old!r}")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if args.new:
+        here = os.path.abspath(args.new)
+        if not os.path.isfile(os.path.join(here, "gwgrad", "__init__.py")):
+            p.error(f"--new: expected a directory holding gwgrad/__init__.py, got {args.new!r}")
     runs = {"old": [], "new": []}
     with tempfile.TemporaryDirectory(prefix="gwgrad-ab-") as tmp:
         for i, tag in enumerate(order(args.reps)):
@@ -132,7 +140,7 @@ def main(argv=None) -> int:
     print(overall(table))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"old": args.old, "reps": args.reps, "bench_args": extra, "rows": table,
+            json.dump({"old": args.old, "new": args.new or "checkout", "reps": args.reps, "bench_args": extra, "rows": table,
                        "summary": overall(table)}, f, indent=1)
     return 0
 

@@ -77,3 +77,12 @@ def test_old_tree_must_hold_gwgrad(tmp_path, capsys):
     with pytest.raises(SystemExit):
         load().main(["--old", str(tmp_path)])
     assert "--old: expected a directory holding gwgrad/__init__.py" in capsys.readouterr().err
+
+
+def test_new_tree_must_hold_gwgrad(tmp_path, capsys):
+    old = tmp_path / "old"
+    (old / "gwgrad").mkdir(parents=True)
+    (old / "gwgrad" / "__init__.py").write_text("")
+    with pytest.raises(SystemExit):
+        load().main(["--old", str(old), "--new", str(tmp_path / "missing")])
+    assert "--new: expected a directory holding gwgrad/__init__.py" in capsys.readouterr().err

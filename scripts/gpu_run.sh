@@ -15,7 +15,8 @@
 #   reliability (the main-grad layer, short soak and two-GPU tests),
 #   ncu (scripts/profile_gemm.py under Nsight Compute: gwgrad vs dense cuBLAS per row),
 #   zerocost (scripts/zero_fill_cost.py: the empty experts' zeros' cost, an A/B against a
-#   copy that writes none); these are not in the default run's budget.
+#   copy that writes none), energy (scripts/energy_bench.py: steady-state ms, clock and J per
+#   call); these are not in the default run's budget.
 #
 # Files under $OUT (default /tmp/gwgrad-out; at most 6, one folder): run.log (every step's
 # full output), overhead.json, coldstart.json, bench.json, bench.png, isolated.json
@@ -212,6 +213,15 @@ for s in $steps; do
         --json "$OUT/zero_fill_cost.json"
       tail -8 "$OUT/step.txt"
       done_step zerocost $rc ;;
+    energy)
+      # scripts/energy_bench.py: steady-state ms, SM clock, power and J per call of gwgrad's
+      # variants and dense cuBLAS (nvidia-smi sampled). GWGRAD_ENERGY_ROWS / _DISTS / _TILES.
+      step energy 300 || continue
+      capture "$PY" scripts/energy_bench.py --rows "${GWGRAD_ENERGY_ROWS:-dsv3-fc1,gptoss-fc1}" \
+        --dist "${GWGRAD_ENERGY_DISTS:-uniform}" --tiles "${GWGRAD_ENERGY_TILES-}" \
+        --json "$OUT/energy.json"
+      grep -v "^nvidia-smi fields" "$OUT/step.txt" | tail -40
+      done_step energy $rc ;;
     overlap)
       # scripts/overlap_stall.py: gwgrad beside a kernel that holds some SMs (one launch / two).
       step overlap 120 || continue
@@ -232,7 +242,7 @@ for s in $steps; do
         tests/test_soak.py tests/test_expert_parallel_gpu.py ${GWGRAD_RELIABILITY_EXTRA-}
       grep -E "PASS|FAIL|passed|failed|error|max relative" "$OUT/step.txt" | tail -30
       done_step reliability $rc ;;
-    *) say "unknown step: $s (steps: overhead coldstart bench tests examples unrounded adapters fp8 qtests qbench fuzz sanitize soak reliability ncu)" ;;
+    *) say "unknown step: $s (steps: overhead coldstart bench tests examples unrounded adapters fp8 qtests qbench fuzz sanitize soak reliability ncu zerocost energy)" ;;
   esac
 done
 rm -f "$OUT/step.txt" "$OUT"/*.tmp

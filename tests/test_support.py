@@ -297,12 +297,14 @@ def test_fp8_sm90_default_tiling(recipe, intermediate, tile, tokens_per_expert):
 
 
 @pytest.mark.parametrize("hidden,intermediate,experts,tokens,out,acc,tile,cluster,schedule", [
-    # 16-bit outputs: pairs below 1024 and from 4096 output tiles per expert, balanced
+    # 16-bit outputs: 1x2 pairs below 1024 and from 4096 output tiles per expert, balanced
     (768, 2048, 128, 131072, "bfloat16", False, (128, 128), (1, 2), 3),  # qwen3-30b-fc2
     (2048, 2816, 64, 32768, "bfloat16", False, (128, 128), (1, 2), 3),  # dsv2lite-fc1
     (4096, 28672, 8, 32768, "bfloat16", False, (128, 128), (1, 2), 3),  # mixtral-fc1
-    (7168, 4096, 32, 65536, "bfloat16", False, (128, 128), (1, 1), 1),  # dsv3-fc1: 1792 tiles
-    (2880, 5760, 32, 65536, "float16", False, (128, 128), (1, 1), 1),  # gptoss-fc1
+    # in between (1024-4095 tiles): 2x1 pairs of 128x256 (session 17, by energy), balanced
+    (7168, 4096, 32, 65536, "bfloat16", False, (128, 256), (2, 1), 3),  # dsv3-fc1: 1792 tiles
+    (2880, 5760, 32, 65536, "float16", False, (128, 256), (2, 1), 3),  # gptoss-fc1: 23 rows
+    (640, 32768, 8, 65536, "bfloat16", False, (128, 128), (1, 1), 1),  # 5 row tiles: odd
     (1536, 1024, 256, 65536, "bfloat16", False, (128, 256), (1, 1), 1),  # fine-256e: short
     (768, 2048, 128, 131072, "bfloat16", True, (128, 128), (1, 1), 1),  # 16-bit accumulate
     (768, 128, 128, 131072, "bfloat16", False, (128, 128), (1, 1), 1),  # one column tile
@@ -317,8 +319,9 @@ def test_sm90_bf16_default_tiling(hidden, intermediate, experts, tokens, out, ac
                                   cluster, schedule):
     """The SM90 BF16 defaults (Bf16Sm90Backend.default_tiling / tiling_for_tokens /
     default_unit_schedule) on the benchmark's shapes, as fitted in docs/PERF_NOTES.md
-    (session 13): CTA pairs with the balanced schedule where they measured faster, the 1x1
-    dynamic kernel elsewhere, never a pair over an odd count of 128-column tiles."""
+    (sessions 13 and 17): CTA pairs with the balanced schedule where they measured faster,
+    the 1x1 dynamic kernel elsewhere, never a pair over an odd count (below 16) of 128-wide
+    tiles along the pair."""
     from gwgrad.backends import finalize_spec
 
     from kernel_compile import spec

@@ -24,12 +24,13 @@ def _output_tiles(spec: StaticSpec) -> int:
     return -(-spec.hidden // 128) * -(-spec.intermediate // 128)
 
 
-def _pair_fits(spec: StaticSpec) -> bool:
-    """Whether a 1x2 pair of 128-column CTA tiles covers the output's columns with at most
-    1/16 of the pairs' CTAs idle (an odd count of 128-column tiles leaves the last pair's
-    second CTA without columns: it computes and stores nothing)."""
-    n_tiles = -(-spec.intermediate // 128)
-    return n_tiles >= 2 and (n_tiles % 2 == 0 or n_tiles >= 16)
+def _pair_fits(spec: StaticSpec, extent: int = 0) -> bool:
+    """Whether a pair of 128-wide CTA tiles along an output extent (default: the columns, a
+    1x2 pair; ``spec.hidden``: the rows, a 2x1 pair) covers it with at most 1/16 of the
+    pairs' CTAs idle (an odd count of 128-wide tiles leaves the last pair's second CTA without
+    a tile: it computes and stores nothing)."""
+    tiles = -(-(extent or spec.intermediate) // 128)
+    return tiles >= 2 and (tiles % 2 == 0 or tiles >= 16)
 
 
 class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
@@ -51,15 +52,29 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         # - FP32 outputs (accumulating): +9.3..+10.4% uniform and -0.1..+0.1% zipf from 1024
         #   tiles per expert (dsv3-fc1, gptoss-fc1; mixtral-fc1 +8.3% / +6.9% against
         #   128x256); below, -5..-6% uniform (qwen3-30b): not taken.
+        # Session 17: in between (1024-4095 tiles per expert: dsv3-fc1, gptoss-fc1) a 2x1
+        # pair of cooperative 128x256 CTAs (a 256x256 cluster tile, B multicast), measured
+        # where the call's energy counts, at the H200's 700 W power limit: timed in 2 s
+        # windows each followed by the row's dense GEMM (a training step's mix,
+        # scripts/energy_bench.py --mix, docs/results/h200_energy_mix_s17.json), its share of
+        # the step 1.8-4.3% faster than the 1x1 default on both rows, uniform and zipf (the
+        # 1x2 pair: +1.2..+2.3% uniform, -0.4..-2.5% zipf), and 1.4-5.9% alone. The
+        # interleaved bench ranks it 0.96-1.00x (each 12 ms sample runs at a clock that the
+        # neighbouring samples' power set: it counts cycles, not energy; PERF_NOTES).
         tiles = _output_tiles(spec)
         # Pairs only when the caller chose neither field: a tile (or a cluster) the caller
         # chose gets the 1x1 defaults it had before pairs were a default.
-        if spec.mma_tiler_mn is None and spec.cluster_shape_mn is None and _pair_fits(spec):
-            if spec.wgrad_dtype.itemsize == 4:
-                if tiles >= EPI_SPLIT_TILES:
+        if spec.mma_tiler_mn is None and spec.cluster_shape_mn is None:
+            sixteen_bit = spec.wgrad_dtype.itemsize == 2 and not spec.accumulate
+            if (sixteen_bit and EPI_SPLIT_TILES <= tiles < WIDE_OUTPUT_TILES
+                    and _pair_fits(spec, spec.hidden)):
+                return (128, 256), (2, 1)
+            if _pair_fits(spec):
+                if spec.wgrad_dtype.itemsize == 4:
+                    if tiles >= EPI_SPLIT_TILES:
+                        return (128, 128), (1, 2)
+                elif sixteen_bit and (tiles < EPI_SPLIT_TILES or tiles >= WIDE_OUTPUT_TILES):
                     return (128, 128), (1, 2)
-            elif not spec.accumulate and (tiles < EPI_SPLIT_TILES or tiles >= WIDE_OUTPUT_TILES):
-                return (128, 128), (1, 2)
         if tiles >= WIDE_OUTPUT_TILES:
             return (128, 256), (1, 1)
         return (128, 128), (1, 1)

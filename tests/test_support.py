@@ -105,8 +105,9 @@ def test_the_cpu_reference_takes_the_epi_buffer_sets_a_gpu_kernel_runs(tile, set
 
 
 @pytest.mark.parametrize("hidden,intermediate,tile,want", [
-    (7168, 4096, None, 2),        # dsv3-fc1: 1792 128x128 tiles per expert, pingpong
-    (2880, 5760, None, 2),        # gptoss-fc1: 1035
+    (7168, 4096, (128, 128), 2),  # dsv3-fc1: 1792 128x128 tiles per expert, pingpong
+    (2880, 5760, (128, 128), 2),  # gptoss-fc1: 1035
+    (7168, 4096, None, 1),        # their default since session 17: a 2x1 pair of 128x256
     (2048, 7168, None, 1),        # dsv3-fc2: 896
     (2048, 1536, None, 1),        # qwen3-30b-fc1: 192
     (4096, 28672, None, 2),       # mixtral-fc1: 7168, a 1x2 pair of pingpong CTAs (session 13)

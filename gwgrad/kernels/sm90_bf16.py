@@ -89,7 +89,8 @@ the uniform rows and 0.95-0.99x on zipf; a static 1x1 CTA 0.67-0.84x: ncu shows 
 unequal rates drift apart over the unit order, and the operand panels they share leave the
 L2). The hybrid's static head moves twice the dynamic pair's DRAM bytes on zipf counts (units
 of unequal length): -4.6% on gptoss-fc1 zipf, so it is opt-in. The
-balanced 1x2 pair is the default where it measured faster (backends/bf16_sm90.py). Verified
+balanced pairs (1x2 of 128x128; 2x1 of 128x256 since session 17) are the default where they
+measured faster (backends/bf16_sm90.py). Verified
 on the H200: tests/test_sm90_kernel_gpu.py::test_static_units (15 cases: 1x1, 1x2, 2x1, 2x2),
 ::test_balanced_schedule and ::test_hybrid_schedule (36 cases each: which schedule ran, and
 the hybrid's head, are read back and checked against the rule computed in Python), the whole
@@ -127,9 +128,10 @@ ready_for_any_grid (the words back to 0, grids of 132 and 1 CTA alternating) and
 test_single_launch_needs_no_resident_grid (grids of 2-3x what fits at once, where a grid
 barrier would hang) pass, and scripts/overlap_stall.py shows no stall beside another stream's
 kernel holding SMs. epi_buffer_sets=2
-(the default for 16-bit outputs of >= 1024 tiles per expert) and the clusters with the
-leader's unit hand-off ((1, 2): the default for FP32 outputs of short experts; (2, 1), (2, 2):
-opt-in) run on the H200 too: tests/test_sm90_kernel_gpu.py::test_pingpong_epilogue_buffer_set_per_group
+(the default for 16-bit pingpong outputs of >= 1024 tiles per expert) and the clusters with the
+leader's unit hand-off ((1, 2): the pairs' default, among them FP32 outputs of short experts;
+(2, 1) of 128x256: the default for 16-bit outputs of 1024-4095 tiles per expert, session 17;
+(2, 2): opt-in) run on the H200 too: tests/test_sm90_kernel_gpu.py::test_pingpong_epilogue_buffer_set_per_group
 and TestSm90PairSharingA / TestSm90PairSharingB / TestSm90Quad (the whole KernelChecks suite
 for every cluster shape, every mode) pass; their speed is in docs/PERF_NOTES.md (sessions 6
 and 7).

@@ -5,7 +5,9 @@ single cold call (ncu) does not rank tilings the way back-to-back calls at the l
 Per row, each method (gwgrad's default, the --tiles variants, dense cuBLAS of equal FLOPs)
 runs back to back for --window seconds, the methods taking turns (round_order) for --reps
 rounds, while ``nvidia-smi`` samples the GPU every --sample-ms: the energy counter, the
-instantaneous power and the SM clock. A window's figures come from the samples inside it
+instantaneous power and the SM clock, where the driver reports them (the H200's of session 17
+took only ``power.draw``, which recent drivers average over about a second: a window's W then
+lags by up to that; ms, from CUDA events, does not). A window's figures come from the samples inside it
 after its first --settle seconds (the clock and power settling at the limit):
 
     ms       median milliseconds per call over the window's CUDA-event samples

@@ -259,7 +259,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "flops": inp.flops * (2 if args.mix else 1), "methods": {},
                    "copy_bytes": 2 * copy.nbytes if copy is not None else 0}
             for name in names:
-                windows = [dict(derive(ms, window_stats(samples, a, b), inp.flops),
+                windows = [dict(derive(ms, window_stats(samples, a, b), out["flops"]),
                                 samples=window_stats(samples, a, b)["samples"])
                            for a, b, ms in marks[name]]
                 out["methods"][name] = {"windows": windows, "median": medians(windows)}

@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("timestamp", "total_energy_consumption", "power.draw.instant", "clocks.sm")
 
 
-def load():
-    spec = importlib.util.spec_from_file_location("energy_bench",
-                                                  ROOT / "scripts" / "energy_bench.py")
+def load(name="energy_bench"):
+    """scripts/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -70,10 +70,7 @@ def test_derive_per_call_figures():
 
 def test_zero_fill_rate_counts():
     """scripts/zero_fill_rate.py: one live expert, the rest empty; the zeros' bytes."""
-    spec = importlib.util.spec_from_file_location("zero_fill_rate",
-                                                  ROOT / "scripts" / "zero_fill_rate.py")
-    zr = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(zr)
+    zr = load("zero_fill_rate")
     assert zr.counts_for(4, 256) == [256, 0, 0, 0]
     assert zr.zero_bytes(1536, 1024, 256, 2) == 255 * 1536 * 1024 * 2
 

@@ -24,12 +24,12 @@ def _output_tiles(spec: StaticSpec) -> int:
     return -(-spec.hidden // 128) * -(-spec.intermediate // 128)
 
 
-def _pair_fits(spec: StaticSpec, extent: int = 0) -> bool:
-    """Whether a pair of 128-wide CTA tiles along an output extent (default: the columns, a
-    1x2 pair; ``spec.hidden``: the rows, a 2x1 pair) covers it with at most 1/16 of the
-    pairs' CTAs idle (an odd count of 128-wide tiles leaves the last pair's second CTA without
-    a tile: it computes and stores nothing)."""
-    tiles = -(-(extent or spec.intermediate) // 128)
+def _pair_fits(extent: int) -> bool:
+    """Whether a pair of 128-wide CTA tiles along an output extent (``spec.intermediate``: a
+    1x2 pair; ``spec.hidden``: a 2x1 pair) covers it with at most 1/16 of the pairs' CTAs
+    idle (an odd count of 128-wide tiles leaves the last pair's second CTA without a tile: it
+    computes and stores nothing)."""
+    tiles = -(-extent // 128)
     return tiles >= 2 and (tiles % 2 == 0 or tiles >= 16)
 
 
@@ -67,9 +67,9 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         if spec.mma_tiler_mn is None and spec.cluster_shape_mn is None:
             sixteen_bit = spec.wgrad_dtype.itemsize == 2 and not spec.accumulate
             if (sixteen_bit and EPI_SPLIT_TILES <= tiles < WIDE_OUTPUT_TILES
-                    and _pair_fits(spec, spec.hidden)):
+                    and _pair_fits(spec.hidden)):
                 return (128, 256), (2, 1)
-            if _pair_fits(spec):
+            if _pair_fits(spec.intermediate):
                 if spec.wgrad_dtype.itemsize == 4:
                     if tiles >= EPI_SPLIT_TILES:
                         return (128, 128), (1, 2)

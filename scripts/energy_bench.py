@@ -209,6 +209,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="each call followed by the row's dense cuBLAS GEMM: the figures are per "
                         "(method + dense) step, as in a training step where other GEMMs share "
                         "the power budget (dense_cublas: two dense GEMMs)")
+    p.add_argument("--accumulate", action="store_true",
+                   help="the main-grad path: gwgrad's methods add into FP32 outputs "
+                        "(accumulate_on_output=True); dense cuBLAS stays the BF16 GEMM of equal "
+                        "FLOPs")
     p.add_argument("--window", type=float, default=2.0, help="seconds per method and rep")
     p.add_argument("--settle", type=float, default=0.5,
                    help="seconds at a window's start left out of its samples")
@@ -228,7 +232,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for shape in select_shapes(DEFAULT_SHAPES, args.rows):
         for dist in args.dist.split(","):
             row = new_row(shape, dist)
-            inp = RowInputs(shape, dist, 256)
+            inp = RowInputs(shape, dist, 256, accumulate=args.accumulate)
             fns, _ = build_methods(inp, configs, row, gwgrad_only=True)
             if args.mix:  # each call followed by the row's dense GEMM (a training step's mix)
                 dense = inp.dense()
@@ -256,6 +260,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             time.sleep(0.3)
             samples = sampler.stop()
             out = {"name": shape["name"], "dist": dist, "mix": args.mix,
+                   "accumulate": args.accumulate,
                    "flops": inp.flops * (2 if args.mix else 1), "methods": {},
                    "copy_bytes": 2 * copy.nbytes if copy is not None else 0}
             for name in names:
@@ -279,7 +284,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 def print_row(out: Dict) -> None:
     base = next((m["median"] for n, m in out["methods"].items()
                  if n.startswith("gwgrad_") and "median" in m), None)
-    print(f"\n{out['name']} {out['dist']}: {out['flops'] / 1e12:.2f} TFLOP per call")
+    mode = ", accumulating into FP32" if out.get("accumulate") else ""
+    print(f"\n{out['name']} {out['dist']}{mode}: {out['flops'] / 1e12:.2f} TFLOP per call")
     cols = ("ms", "W", "MHz", "J", "Mcyc", "pJ_per_flop")
     print(f"{'method':46}" + "".join(f"{c:>10}" for c in cols)
           + "   x default: ms, J, Mcyc, MHz")

@@ -110,7 +110,8 @@ def test_the_cpu_reference_takes_the_epi_buffer_sets_a_gpu_kernel_runs(tile, set
     (7168, 4096, None, 1),        # their default since session 17: a 2x1 pair of 128x256
     (2048, 7168, None, 1),        # dsv3-fc2: 896
     (2048, 1536, None, 1),        # qwen3-30b-fc1: 192
-    (4096, 28672, None, 2),       # mixtral-fc1: 7168, a 1x2 pair of pingpong CTAs (session 13)
+    (4096, 28672, None, 1),       # mixtral-fc1: 7168, the cooperative 128x256 (session 18)
+    (768, 2048, None, 1),         # qwen3-30b-fc2: 96, a 1x2 pair of pingpong CTAs, < 1024
     (4096, 28672, (128, 256), 1),  # the cooperative 128x256 tile: one epilogue at a time
     (7168, 4096, (64, 256), 2),   # a pingpong tile the caller chose, on a large output
     (7168, 4096, (128, 256), 1),
@@ -298,10 +299,11 @@ def test_fp8_sm90_default_tiling(recipe, intermediate, tile, tokens_per_expert):
 
 
 @pytest.mark.parametrize("hidden,intermediate,experts,tokens,out,acc,tile,cluster,schedule", [
-    # 16-bit outputs: 1x2 pairs below 1024 and from 4096 output tiles per expert, balanced
+    # 16-bit outputs: 1x2 pairs below 1024 output tiles per expert, balanced
     (768, 2048, 128, 131072, "bfloat16", False, (128, 128), (1, 2), 3),  # qwen3-30b-fc2
     (2048, 2816, 64, 32768, "bfloat16", False, (128, 128), (1, 2), 3),  # dsv2lite-fc1
-    (4096, 28672, 8, 32768, "bfloat16", False, (128, 128), (1, 2), 3),  # mixtral-fc1
+    # from 4096 tiles the cooperative 128x256 tile, dynamic (session 18, by energy)
+    (4096, 28672, 8, 32768, "bfloat16", False, (128, 256), (1, 1), 1),  # mixtral-fc1
     # in between (1024-4095 tiles): 2x1 pairs of 128x256 (session 17, by energy), balanced
     (7168, 4096, 32, 65536, "bfloat16", False, (128, 256), (2, 1), 3),  # dsv3-fc1: 1792 tiles
     (2880, 5760, 32, 65536, "float16", False, (128, 256), (2, 1), 3),  # gptoss-fc1: 23 rows
@@ -320,7 +322,7 @@ def test_sm90_bf16_default_tiling(hidden, intermediate, experts, tokens, out, ac
                                   cluster, schedule):
     """The SM90 BF16 defaults (Bf16Sm90Backend.default_tiling / tiling_for_tokens /
     default_unit_schedule) on the benchmark's shapes, as fitted in docs/PERF_NOTES.md
-    (sessions 13 and 17): CTA pairs with the balanced schedule where they measured faster,
+    (sessions 13, 17 and 18): CTA pairs with the balanced schedule where they measured faster,
     the 1x1 dynamic kernel elsewhere, never a pair over an odd count (below 16) of 128-wide
     tiles along the pair."""
     from gwgrad.backends import finalize_spec
@@ -345,10 +347,15 @@ def test_sm90_bf16_pairs_only_when_the_tiling_is_left_open():
 
     from kernel_compile import spec
 
-    wide = dict(hidden=4096, intermediate=28672, experts=8)  # mixtral-fc1: a pair by default
-    assert finalize_spec(spec("sm_90a", **wide))[0].cluster_shape_mn == (1, 2)
-    tile_only = finalize_spec(spec("sm_90a", tile=(128, 128), **wide))[0]
-    assert tile_only.cluster_shape_mn == (1, 1) and tile_only.unit_schedule == 1
+    mid = dict(hidden=7168, intermediate=4096, experts=32)  # dsv3-fc1: a 2x1 pair by default
+    wide = dict(hidden=4096, intermediate=28672, experts=8)  # mixtral-fc1: 128x256, no pair
+    paired = finalize_spec(spec("sm_90a", **mid))[0]
+    assert (paired.mma_tiler_mn, paired.cluster_shape_mn) == ((128, 256), (2, 1))
+    for tile in ((128, 256), (128, 128)):
+        tile_only = finalize_spec(spec("sm_90a", tile=tile, **mid))[0]
+        assert tile_only.cluster_shape_mn == (1, 1) and tile_only.unit_schedule == 1
+    cluster_only = finalize_spec(spec("sm_90a", cluster=(1, 1), **mid))[0]
+    assert cluster_only.mma_tiler_mn == (128, 128) and cluster_only.unit_schedule == 1
     cluster_only = finalize_spec(spec("sm_90a", cluster=(1, 1), **wide))[0]
     assert cluster_only.mma_tiler_mn == (128, 256) and cluster_only.unit_schedule == 1
     pair = finalize_spec(spec("sm_90a", cluster=(1, 2), **wide))[0]

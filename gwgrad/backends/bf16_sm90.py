@@ -61,6 +61,12 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         # (the 1x2 pair: +1.2..+2.3% uniform, -0.4..-2.5% zipf), and 1.4-5.9% alone. The
         # interleaved bench ranks it 0.96-1.00x (each 12 ms sample runs at a clock that the
         # neighbouring samples' power set: it counts cycles, not energy; PERF_NOTES).
+        # Session 18, the same mix on the other rows (h200_energy_mix_*_s18.json): on very
+        # wide outputs (>= 4096 tiles per expert, mixtral-fc1) the cooperative 128x256 1x1
+        # tile again, 1.4% / 2.5% faster than the 1x2 pair (uniform / zipf; identical
+        # variants agree within 0.2% there); below 1024 tiles the 1x2 pair stays (the 2x1
+        # pair of 128x256 and the 128x256 tile within -0.9..+3.0%, mixed); FP32 outputs keep
+        # theirs (the 1x2 pair from 1024 tiles 1.5-4.7% ahead of the 1x1 and 128x256 tiles).
         tiles = _output_tiles(spec)
         # Pairs only when the caller chose neither field: a tile (or a cluster) the caller
         # chose gets the 1x1 defaults it had before pairs were a default.
@@ -73,7 +79,7 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
                 if spec.wgrad_dtype.itemsize == 4:
                     if tiles >= EPI_SPLIT_TILES:
                         return (128, 128), (1, 2)
-                elif sixteen_bit and (tiles < EPI_SPLIT_TILES or tiles >= WIDE_OUTPUT_TILES):
+                elif sixteen_bit and tiles < EPI_SPLIT_TILES:
                     return (128, 128), (1, 2)
         if tiles >= WIDE_OUTPUT_TILES:
             return (128, 256), (1, 1)

@@ -139,19 +139,51 @@ def test_pingpong_epilogue_buffer_set_per_group(case):
     assert (bars2, drains2) == (bars - 1, drains - 1), ((bars, drains), (bars2, drains2))
 
 
-@pytest.mark.parametrize("arch,tile,sets", [
-    ("sm_90a", (128, 256), 2),  # cooperative: one epilogue at a time
-    ("sm_90a", (128, 128), 3),
-    ("sm_100a", (128, 128), 2),
+@pytest.mark.parametrize("case", [
+    dict(tile=(128, 256)),
+    dict(tile=(128, 256), cluster=(2, 1), out="float32", acc=True, mode="discrete"),
+    dict(tile=(128, 256), cluster=(1, 2), order="tensor_ragged", a_major="k"),
+    dict(tile=(128, 192), out="float16", b_major="k"),
+], ids=["128x256", "128x256-2x1-f32-acc-discrete", "128x256-1x2-ragged", "128x192-f16"])
+def test_cooperative_epilogue_buffer_set_per_group(case):
+    """spec.epi_buffer_sets=2 on a cooperative tile: each consumer group stores its own 64
+    rows through its own staging buffers (a 128-thread barrier per group instead of the
+    256-thread one of the shared epilogue), the groups taking turns on the EPI_ORDER
+    barriers (one wait and one arrive on a 256-thread barrier per unit), with no store drain
+    per unit; the MMA is untouched."""
+    import dataclasses
+
+    case = dict(case)
+    base = spec("sm_90a", cluster=case.pop("cluster", (1, 1)), **case)
+    shared = compile_ptx(base)
+    split = compile_ptx(dataclasses.replace(base, epi_buffer_sets=2))
+    check_hopper_ptx(split, base.accumulate, cluster=base.cluster_shape_mn != (1, 1))
+    # The shared epilogue: two 256-thread barrier waits per sub-tile; split: none.
+    assert re.findall(r"bar\.sync\s+\d+, 256;", shared) and not re.findall(
+        r"bar\.sync\s+\d+, 256;", split)
+    assert len(re.findall(r"bar\.sync\s+%r\d+, 128;", split)) == len(
+        re.findall(r"bar\.sync\s+\d+, 256;", shared))
+    assert len(re.findall(r"bar\.sync\s+%r\d+, 256;", split)) == 1  # its turn
+    assert len(re.findall(r"bar\.arrive\s+%r\d+, 256;", split)) == 2  # the start, the pass
+    assert (shared.count("cp.async.bulk.wait_group.read")
+            == split.count("cp.async.bulk.wait_group.read"))
+    assert shared.count("wgmma.mma_async") == split.count("wgmma.mma_async")
+
+
+@pytest.mark.parametrize("arch,tile,cluster,sets,extra", [
+    ("sm_90a", (256, 128), (2, 1), 2, {}),  # 256-row cooperative CTA tile: rows interleave
+    ("sm_90a", (128, 256), (1, 1), 2, dict(split_tokens=256)),  # turn flags: one store warp
+    ("sm_90a", (128, 128), (1, 1), 3, {}),
+    ("sm_100a", (128, 128), (1, 1), 2, {}),
 ])
-def test_epilogue_buffer_sets_rejected(arch, tile, sets):
+def test_epilogue_buffer_sets_rejected(arch, tile, cluster, sets, extra):
     import dataclasses
 
     from gwgrad.backends import finalize_spec
 
     with pytest.raises(ValueError, match=rf"^epi_buffer_sets: expected 1.*got {sets}$"):
-        finalize_spec(dataclasses.replace(spec(arch, tile=tile, cluster=(1, 1)),
-                                          epi_buffer_sets=sets))
+        finalize_spec(dataclasses.replace(spec(arch, tile=tile, cluster=cluster),
+                                          epi_buffer_sets=sets, **extra))
 
 
 @pytest.mark.parametrize("tile,cluster,kw", [

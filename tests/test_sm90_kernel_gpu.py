@@ -77,6 +77,30 @@ def test_pingpong_epilogue_buffer_set_per_group(seed, tile, case):
     run_and_check(spec, counts, out_dtype)
 
 
+# The cooperative tile with a set of epilogue buffers per consumer group (epi_buffer_sets=2):
+# each group stores its own 64 rows, the groups taking turns. 320 rows: the last 128-row tile's
+# second group has no row inside the output (its TMA stores are wholly out of bounds).
+COOP_SPLIT_TILINGS = [((128, 256), (1, 1)), ((128, 256), (2, 1)), ((128, 192), (1, 1)),
+                      ((128, 256), (1, 2))]
+
+
+@pytest.mark.parametrize("tiling", range(len(COOP_SPLIT_TILINGS)))
+@pytest.mark.parametrize("case", range(len(SPLIT_CASES)))
+def test_cooperative_epilogue_buffer_set_per_group(seed, tiling, case):
+    import dataclasses
+
+    from gpu_kernel_checks import make_spec, run_and_check
+
+    majors, order, mode, out_dtype, acc = SPLIT_CASES[case]
+    spec = dataclasses.replace(
+        make_spec("sm_90a", 320, 512, 40, *majors, order, mode, out_dtype, acc,
+                  COOP_SPLIT_TILINGS[tiling]), epi_buffer_sets=2)
+    gen = torch.Generator().manual_seed(seed)
+    counts = (torch.randint(0, 40, (40,), generator=gen) * 8).tolist()  # K-major: % 8
+    counts[3] = 0
+    run_and_check(spec, counts, out_dtype)
+
+
 def test_single_launch_leaves_its_workspace_ready_for_any_grid():
     """One launch per call: the prep hand-off's words (workspace bytes 8 and 12: the expert
     counter and the prepared / passed count) are 0 again after every launch, so one workspace

@@ -70,7 +70,8 @@ SETS_COMBOS = ([("sm_90a", tile, sets) for tile in SM90_TILES for sets in (2, 3)
                          ids=[f"{a}-{t[0]}x{t[1]}-sets{s}" for a, t, s in SETS_COMBOS])
 def test_epi_buffer_sets_support_agrees_with_compile(arch, tile, sets):
     """spec.epi_buffer_sets: the one predicate (tiling.epi_buffer_sets_problem) decides, and
-    what it accepts compiles (a set of epilogue buffers per SM90 pingpong consumer group)."""
+    what it accepts compiles (a set of epilogue buffers per SM90 consumer group: pingpong,
+    or cooperative on 128-row CTA tiles)."""
     pytest.importorskip("cutlass")
     import dataclasses
 
@@ -79,7 +80,7 @@ def test_epi_buffer_sets_support_agrees_with_compile(arch, tile, sets):
 
     request = dataclasses.replace(_spec(arch, tile, (1, 1), out="float32"), epi_buffer_sets=sets)
     schedule = SM90_TILES[tile] if arch == "sm_90a" else None
-    if epi_buffer_sets_problem(sets, schedule) is not None:
+    if epi_buffer_sets_problem(sets, schedule, cta_m=tile[0]) is not None:
         with pytest.raises(ValueError, match=rf"^epi_buffer_sets: expected 1.*got {sets}$"):
             finalize_spec(request)
         return
@@ -90,7 +91,8 @@ def test_epi_buffer_sets_support_agrees_with_compile(arch, tile, sets):
 
 
 @pytest.mark.parametrize("tile,sets,ok", [((128, 128), 2, True), ((64, 256), 2, True),
-                                          ((128, 256), 2, False), ((128, 128), 3, False)])
+                                          ((128, 256), 2, True), ((256, 128), 2, False),
+                                          ((128, 128), 3, False)])
 def test_the_cpu_reference_takes_the_epi_buffer_sets_a_gpu_kernel_runs(tile, sets, ok):
     import dataclasses
 
@@ -112,16 +114,18 @@ def test_the_cpu_reference_takes_the_epi_buffer_sets_a_gpu_kernel_runs(tile, set
     (2048, 1536, None, 1),        # qwen3-30b-fc1: 192
     (4096, 28672, None, 1),       # mixtral-fc1: 7168, the cooperative 128x256 (session 18)
     (768, 2048, None, 1),         # qwen3-30b-fc2: 96, a 1x2 pair of pingpong CTAs, < 1024
-    (4096, 28672, (128, 256), 1),  # the cooperative 128x256 tile: one epilogue at a time
+    (4096, 28672, (128, 256), 1),  # the cooperative 128x256 tile on a large output: one set
+    (1536, 1024, (128, 256), 2),  # ... on <= 128 tiles per expert (fine-256e): a set per group
+    (1536, 1024, (256, 128), 1),  # a 256-row cooperative CTA tile: one set (rows interleave)
     (7168, 4096, (64, 256), 2),   # a pingpong tile the caller chose, on a large output
     (7168, 4096, (128, 256), 1),
     (7168, 4096, "float32", 1),   # FP32 outputs: no gain measured, one set
 ])
 def test_the_sm90_default_epilogue_buffer_sets_follow_the_output_size(hidden, intermediate,
                                                                       tile, want):
-    """SM90 BF16: a set of epilogue buffers per pingpong consumer group for 16-bit outputs of
-    >= 1024 128x128 tiles per expert (measured: docs/PERF_NOTES.md); a value the caller set
-    stays."""
+    """SM90 BF16: a set of epilogue buffers per consumer group for 16-bit outputs of >= 1024
+    128x128 tiles per expert with pingpong tiles, of <= 128 with cooperative 128-row tiles
+    (measured: docs/PERF_NOTES.md); a value the caller set stays."""
     pytest.importorskip("cutlass")
     import dataclasses
 
@@ -142,10 +146,11 @@ def test_the_sm90_default_epilogue_buffer_sets_follow_the_output_size(hidden, in
 
 
 @pytest.mark.parametrize("hidden,intermediate,experts,tokens,out,want", [
-    (1536, 1024, 256, 65536, "bfloat16", ((128, 256), (1, 1))),   # fine-256e: 256 tokens
-    (1536, 1024, 256, 98304, "bfloat16", ((128, 256), (1, 1))),   # 384 tokens per expert
-    (768, 2048, 128, 32768, "bfloat16", ((128, 256), (1, 1))),    # qwen3-30b-fc2, 256 tokens
-    (1536, 1024, 256, 0, "float16", ((128, 256), (1, 1))),        # no tokens yet: short
+    (1536, 1024, 256, 65536, "bfloat16", ((128, 256), (2, 1))),   # fine-256e: 256 tokens
+    (1536, 1024, 256, 98304, "bfloat16", ((128, 256), (2, 1))),   # 384 tokens per expert
+    (768, 2048, 128, 32768, "bfloat16", ((128, 256), (2, 1))),    # qwen3-30b-fc2, 256 tokens
+    (1536, 1024, 256, 0, "float16", ((128, 256), (2, 1))),        # no tokens yet: short
+    (640, 1024, 256, 65536, "bfloat16", ((128, 256), (1, 1))),    # 5 row tiles: no pair
     (1536, 1024, 256, 65536, "float32", ((128, 128), (1, 2))),    # FP32: a pair sharing A
     (1536, 1024, 256, 65536, "accumulate32", ((128, 128), (1, 2))),
     (1536, 1024, 256, 65536, "accumulate", ((128, 128), (1, 1))),  # into BF16: not measured
@@ -159,9 +164,10 @@ def test_the_sm90_default_epilogue_buffer_sets_follow_the_output_size(hidden, in
 ])
 def test_the_sm90_tiling_for_short_experts(hidden, intermediate, experts, tokens, out, want):
     """SM90 BF16: outputs of <= 128 128x128 tiles per expert with <= 384 tokens per expert on
-    average take the cooperative 128x256 tile (16-bit outputs) or a 1x2 cluster (FP32 outputs
-    of more than one 128-column tile) (measured: docs/PERF_NOTES.md); a tiling the caller set stays, and the other backends keep
-    their defaults."""
+    average take the cooperative 128x256 tile (16-bit outputs; a 2x1 pair of them where the
+    pair fits the rows, session 18) or a 1x2 cluster (FP32 outputs of more than one
+    128-column tile) (measured: docs/PERF_NOTES.md); a tiling the caller set stays, and the
+    other backends keep their defaults."""
     pytest.importorskip("cutlass")
     from gwgrad.backends import finalize_spec
     from kernel_compile import spec
@@ -308,7 +314,7 @@ def test_fp8_sm90_default_tiling(recipe, intermediate, tile, tokens_per_expert):
     (7168, 4096, 32, 65536, "bfloat16", False, (128, 256), (2, 1), 3),  # dsv3-fc1: 1792 tiles
     (2880, 5760, 32, 65536, "float16", False, (128, 256), (2, 1), 3),  # gptoss-fc1: 23 rows
     (640, 32768, 8, 65536, "bfloat16", False, (128, 128), (1, 1), 1),  # 5 row tiles: odd
-    (1536, 1024, 256, 65536, "bfloat16", False, (128, 256), (1, 1), 1),  # fine-256e: short
+    (1536, 1024, 256, 65536, "bfloat16", False, (128, 256), (2, 1), 3),  # fine-256e: short
     (768, 2048, 128, 131072, "bfloat16", True, (128, 128), (1, 1), 1),  # 16-bit accumulate
     (768, 128, 128, 131072, "bfloat16", False, (128, 128), (1, 1), 1),  # one column tile
     (768, 384, 128, 131072, "bfloat16", False, (128, 128), (1, 1), 1),  # 3 column tiles: odd

@@ -106,7 +106,7 @@ class ReferenceBackend(Backend):
         problem = (any_gpu_tiling_problem(spec.mma_tiler_mn, spec.cluster_shape_mn,
                                           spec.is_block_scaled)
                    or any_gpu_epi_buffer_sets_problem(spec.epi_buffer_sets, spec.mma_tiler_mn,
-                                                      spec.is_block_scaled)
+                                                      spec.is_block_scaled, spec.split_tokens)
                    or split_tokens_problem(spec.split_tokens, spec.cluster_shape_mn,
                                            spec.is_block_scaled, "cpu")
                    or unit_schedule_problem(spec.unit_schedule, spec.split_tokens,

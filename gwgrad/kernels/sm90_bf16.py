@@ -262,16 +262,21 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     def epilogue_plan(cfg: ProblemConfig) -> Tuple[Tuple[int, int], int, int]:
         """(epi_tile, epi_stage, ab_stage) of a config.
 
-        Epilogue sub-tile: 128 rows cooperative, 64 pingpong; columns cfg.epi_tile_n, or by
-        default 64 for 16-bit outputs (half the barrier rounds of 32: +2-4% on the H200
-        benchmark rows) and 32 for FP32, so that the staging buffers leave four A/B stages.
-        epi_stage buffers per set, cfg.epi_buffer_sets sets (pingpong: 2 gives each consumer
-        group its own). The A/B ring takes what shared memory the epilogue buffers leave."""
+        Epilogue sub-tile: 128 rows cooperative, 64 pingpong or with a set per consumer
+        group; columns cfg.epi_tile_n, or by default 64 for 16-bit outputs (half the barrier
+        rounds of 32: +2-4% on the H200 benchmark rows) and 32 for FP32, so that the staging
+        buffers leave four A/B stages. epi_stage buffers per set, cfg.epi_buffer_sets sets
+        (2 gives each consumer group its own; cooperative: two buffers each, so that the
+        cooperative 128x256 tile keeps four A/B stages). The A/B ring takes what shared
+        memory the epilogue buffers leave."""
         c_width = cfg.cutlass_c_dtype.width
         cta_m, cta_n = cfg.tile_m // cfg.cluster_m, cfg.tile_n // cfg.cluster_n
         epi_n = min(cfg.epi_tile_n or (64 if c_width == 16 else 32), cta_n)
-        epi_m = min(64 if cfg.schedule == "pingpong" else 128, cta_m)
+        per_group = cfg.schedule == "pingpong" or cfg.epi_buffer_sets == 2
+        epi_m = min(64 if per_group else 128, cta_m)
         epi_stage = 4 if c_width == 16 else 2
+        if cfg.schedule != "pingpong" and cfg.epi_buffer_sets == 2:
+            epi_stage = 2
         ab_bytes = stage_bytes(cfg)
         c_bytes = epi_m * epi_n * c_width // 8
         epi_bytes = cfg.epi_buffer_sets * epi_stage * c_bytes
@@ -300,7 +305,8 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             return ("mma_tiler_mn",
                     f"{cfg.schedule} tiles are {rows[0]}|{rows[1]} x 64..256, got "
                     f"{cta_m}x{cta_n}")
-        problem = (epi_buffer_sets_problem(cfg.epi_buffer_sets, cfg.schedule)
+        problem = (epi_buffer_sets_problem(cfg.epi_buffer_sets, cfg.schedule, cfg.split_tokens,
+                                           bool(cfg.scale_recipe), cta_m)
                    or split_tokens_problem(cfg.split_tokens, cluster, bool(cfg.scale_recipe))
                    or unit_schedule_problem(cfg.unit_schedule, cfg.split_tokens,
                                            bool(cfg.scale_recipe)))
@@ -337,20 +343,27 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         )
         # epi_stage buffers per set; with a set per consumer group, group g uses set g.
         self.epi_split = cfg.epi_buffer_sets == 2
+        # Cooperative groups with a set each store their own 64 rows of the tile, in turn
+        # (consumer(): the staggered epilogue).
+        self.coop_split = self.epi_split and not self.pingpong
         self.epi_smem_layout_staged = sm90_utils.make_smem_layout_epi(
             self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage * cfg.epi_buffer_sets
         )
         self.tma_bytes = stage_bytes(cfg)  # one stage's TMA transaction (scales included)
 
-    def make_tiled_mma(self):
-        """The WGMMA tiling: one warp group per 64 rows (two side by side, cooperative)."""
+    def make_tiled_mma(self, groups=None):
+        """The WGMMA tiling: one warp group per 64 rows (two side by side, cooperative).
+        ``groups=1``: one warp group's tiling whatever the schedule (the staggered
+        cooperative epilogue partitions a group's 64 rows with it: a cooperative thread's
+        accumulator fragment is that of its thread in one group over those rows)."""
+        groups = groups or (1 if self.pingpong else 2)
         return sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
             self.cfg.cutlass_b_dtype,
             self.a_layout.sm90_mma_major_mode(),
             self.b_layout.sm90_mma_major_mode(),
             self.acc_dtype,
-            (1, 1, 1) if self.pingpong else (2, 1, 1),
+            (groups, 1, 1),
             tiler_mn=(64, self.cta_n),
         )
 
@@ -951,8 +964,14 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             barrier_id=int(Barrier.EPI), num_threads=self.num_mma_threads
         )
         store_warp = int(WarpRole.MMA)  # the first consumer warp issues the TMA stores
+        # Each consumer group runs an epilogue of its own: pingpong, or cooperative with a
+        # set of staging buffers per group (coop_split: each stores its 64 rows).
+        per_group = self.pingpong or self.coop_split
         if cutlass.const_expr(self.pingpong):
             mma_tidx = tidx % WARP_GROUP_THREADS
+        epi_tidx = mma_tidx
+        if cutlass.const_expr(per_group):
+            epi_tidx = tidx % WARP_GROUP_THREADS
             epi_bar = pipeline.NamedBarrier(
                 barrier_id=int(Barrier.EPI) + mma_group, num_threads=WARP_GROUP_THREADS
             )
@@ -974,9 +993,12 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         copy_atom_c = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
         )
-        tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, tiled_mma)
+        epi_mma = tiled_mma
+        if cutlass.const_expr(self.coop_split):
+            epi_mma = self.make_tiled_mma(groups=1)
+        tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, epi_mma)
         tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
-        thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+        thr_copy_r2s = tiled_copy_r2s.get_slice(epi_tidx)
         tRS_sD = thr_copy_r2s.partition_D(sC)
         tRS_rAcc = tiled_copy_r2s.retile(acc)
         rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
@@ -985,7 +1007,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         store_pipeline = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stage,
             producer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, WARP_GROUP_THREADS if self.pingpong else self.num_mma_threads
+                pipeline.Agent.Thread, WARP_GROUP_THREADS if per_group else self.num_mma_threads
             ),
         )
 
@@ -1010,10 +1032,20 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         if cutlass.const_expr(self.epi_split):
             epi_base = mma_group * self.epi_stage
         epi_ordered = self.pingpong and not self.epi_split
+        # coop_split: the groups' epilogues take turns (EPI_ORDER, no drain: each has its own
+        # buffers). At the first unit group 1 waits out group 0's epilogue, so group 0 starts
+        # the next unit's mainloop that much ahead; from then on each group's epilogue runs
+        # while the other group finishes (or starts) a mainloop: the tensor cores do not wait
+        # for the epilogue, as with pingpong, at the cooperative tile's operand traffic. The
+        # A/B stages a group is ahead by stay held until the other group releases them.
+        epi_turns = epi_ordered or self.coop_split
 
         unit, expert, k_tiles, chunk, sched_state = self.take(
             sched_pipeline, sched_state, sched_slots
         )
+        if cutlass.const_expr(self.coop_split):
+            if mma_group == 0:
+                epi_order_self.arrive()  # group 0 stores first
         if cutlass.const_expr(self.pingpong):
             if mma_group == 0:
                 # Group 0 goes first: give it the start signal for the ordered sections.
@@ -1067,7 +1099,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 store = store and tile_m < self.cta_tiles[0] and tile_n < self.cta_tiles[1]
             if cutlass.const_expr(cfg.output_mode == "discrete"):
                 store = store and output_ptr_ok(wgrad_ptrs, expert)
-            if cutlass.const_expr(epi_ordered):
+            if cutlass.const_expr(epi_turns):
                 epi_order_self.arrive_and_wait()
             turn = None  # K split: (the tile's flag, this unit's chunk, the expert's chunks)
             if cutlass.const_expr(cfg.split_tokens > 0):
@@ -1075,14 +1107,15 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                         chunk >> 8)
             if store:
                 if cutlass.const_expr(cfg.output_mode == "dense"):
-                    gC_tile = gC[(None, None, 0, tile_m, tile_n, expert)]
+                    gC_tile = self.group_rows(gC[(None, None, 0, tile_m, tile_n, expert)],
+                                              mma_group)
                     self.epilogue(
                         tma_atom_c, gC_tile, None, acc, tiled_copy_r2s, tRS_rAcc, tRS_rD,
                         tRS_rD_out, tRS_sD, sC, store_pipeline, epi_bar, is_store_warp, n_done,
                         epi_base, turn,
                     )
                 else:
-                    gC_tile = gC[(None, None, tile_m, tile_n)]
+                    gC_tile = self.group_rows(gC[(None, None, tile_m, tile_n)], mma_group)
                     if is_store_warp:
                         cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_C))
                     desc_c = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_C))
@@ -1098,6 +1131,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 # The peer group reuses the same staging buffers: let our stores drain first.
                 if is_store_warp:
                     store_pipeline.producer_tail()
+            if cutlass.const_expr(epi_turns):
                 epi_order_peer.arrive()
 
             unit, expert, k_tiles, chunk, sched_state = self.take(
@@ -1113,6 +1147,13 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
 
         if is_store_warp:
             store_pipeline.producer_tail()
+
+    def group_rows(self, gC_tile, mma_group):
+        """The part of a CTA's output tile that a consumer group's epilogue stores: all of
+        it, or with coop_split the group's 64 rows."""
+        if cutlass.const_expr(self.coop_split):
+            return cute.local_tile(gC_tile, (64, self.cta_n), (mma_group, 0))
+        return gC_tile
 
     @cute.jit
     def mainloop(self, tiled_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release, k_tiles):

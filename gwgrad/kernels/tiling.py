@@ -51,18 +51,35 @@ def sm90_schedule(mma_tiler_mn: Pair) -> str:
     return SM90_TILES[tuple(mma_tiler_mn)]
 
 
-def epi_buffer_sets_problem(sets: int, schedule: Optional[str]) -> Optional[Tuple[str, str]]:
+def epi_buffer_sets_problem(sets: int, schedule: Optional[str], split_tokens: int = 0,
+                            block_scaled: bool = False,
+                            cta_m: int = 128) -> Optional[Tuple[str, str]]:
     """(argument, detail) unless a kernel with ``schedule`` ("cooperative" | "pingpong" on
     SM90; None: SM100, no consumer groups) runs ``sets`` sets of epilogue staging buffers
-    (0: the default, 1)."""
+    (0: the default, 1). 2 gives each SM90 consumer group a set of its own: pingpong groups
+    then overlap their epilogues; cooperative groups of a 128-row CTA tile (``cta_m``) store
+    their own 64 rows in turn (the BF16 kernel without the K split, whose turn flags count
+    one store warp per tile)."""
     if sets in (0, 1) or (sets == 2 and schedule == "pingpong"):
         return None
+    if sets == 2 and schedule == "cooperative":
+        if cta_m != 128:
+            return "epi_buffer_sets", (f"expected 1 with a cooperative CTA tile of {cta_m} "
+                                       f"rows (2 needs 128: each consumer group stores 64 "
+                                       f"contiguous rows), got 2")
+        if block_scaled:
+            return "epi_buffer_sets", ("expected 1 with block-scaled inputs on a cooperative "
+                                       "tile (a set of epilogue buffers per consumer group "
+                                       "runs there in the BF16 kernel only), got 2")
+        if split_tokens:
+            return "epi_buffer_sets", (f"expected 1 with the K split (split_tokens="
+                                       f"{split_tokens}) on a cooperative tile, got 2")
+        return None
     if sets == 2:
-        runs = f"the {schedule} schedule" if schedule else "the SM100 kernel"
-        return "epi_buffer_sets", (f"expected 1 with {runs}, which runs one epilogue at a time "
-                                   "(2, a set of epilogue buffers per consumer group, needs an "
-                                   "SM90 pingpong tile), got 2")
-    return "epi_buffer_sets", ("expected 1, or 2 with an SM90 pingpong tile (a set of epilogue "
+        return "epi_buffer_sets", ("expected 1 with the SM100 kernel, which runs one epilogue "
+                                   "at a time (2, a set of epilogue buffers per consumer "
+                                   "group, needs an SM90 tile), got 2")
+    return "epi_buffer_sets", ("expected 1, or 2 with an SM90 tile (a set of epilogue "
                                f"buffers per consumer group), got {sets}")
 
 
@@ -129,12 +146,13 @@ def unit_schedule_problem(unit_schedule: int, split_tokens: int, block_scaled: b
     return None
 
 
-def any_gpu_epi_buffer_sets_problem(sets: int, mma_tiler_mn: Pair,
-                                    block_scaled: bool) -> Optional[Tuple[str, str]]:
+def any_gpu_epi_buffer_sets_problem(sets: int, mma_tiler_mn: Pair, block_scaled: bool,
+                                    split_tokens: int = 0) -> Optional[Tuple[str, str]]:
     """epi_buffer_sets_problem for the SM90 kernel of the family that runs ``mma_tiler_mn``
-    (what the CPU reference accepts)."""
+    (a CTA's tile on SM90, whatever the cluster) (what the CPU reference accepts)."""
     tiles = SM90_FP8_TILES if block_scaled else SM90_TILES
-    return epi_buffer_sets_problem(sets, tiles.get(tuple(mma_tiler_mn)))
+    return epi_buffer_sets_problem(sets, tiles.get(tuple(mma_tiler_mn)), split_tokens,
+                                   block_scaled, mma_tiler_mn[0])
 
 
 def sm90_fp8_problem(mma_tiler_mn: Pair, cluster_shape_mn: Pair) -> Optional[Tuple[str, str]]:

@@ -110,8 +110,10 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         if (_output_tiles(spec) > SHORT_OUTPUT_TILES
                 or tokens_sum > SHORT_EXPERT_TOKENS * spec.num_experts):
             return None
+        # Session 18: on 16-bit outputs a 2x1 pair of them (B multicast) where the pair fits,
+        # with a set of staging buffers per consumer group (default_epi_buffer_sets).
         if spec.wgrad_dtype.itemsize == 2 and not spec.accumulate:
-            return (128, 256), (1, 1)
+            return (128, 256), ((2, 1) if _pair_fits(spec.hidden) else (1, 1))
         if spec.wgrad_dtype.itemsize == 4 and spec.intermediate > 128:
             return (128, 128), (1, 2)
         # Accumulating into 16 bits: not measured. An output of one 128-column tile: the
@@ -132,9 +134,23 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         # +1..+3% on dsv3-fc1 and gptoss-fc1 (1792 and 1035 tiles per expert), -1..-2% on
         # qwen3-30b and dsv2lite-fc1 (96-352 tiles), where the lost stage costs more than the
         # overlap gives. FP32 outputs (no stage lost) showed no gain beyond the full bench's
-        # noise: one set. The cooperative tile runs one epilogue at a time: one set (and a
-        # tile this kernel lacks gets 1 here and its ValueError from check_support).
-        if SM90_TILES.get(tuple(spec.mma_tiler_mn)) != "pingpong" or spec.wgrad_dtype.itemsize != 2:
+        # noise: one set. (A tile this kernel lacks gets 1 here and its ValueError from
+        # check_support.)
+        # Session 18, cooperative tiles: a set per group lets each group store its own 64 rows
+        # while the other computes (kernels/sm90_bf16.py, coop_split). fine-256e (256 tokens
+        # per expert, 96 tiles), the short-expert tiling's 128x256 1x1 and 2x1 pair, timed
+        # against one set (h200_energy_mix_fine256e_split_s18.json, h200_bench_tune_*_s18):
+        # 1.2% / 0.5% and 1.4% / 1.4% faster in the training-step mix (uniform / zipf; the
+        # 2x1 pair alone: -0.5% / +0.6%), 6.8% / 2.0% and 5.4% / 2.7% in the interleaved tune;
+        # on the large outputs (dsv3-fc1, gptoss-fc1, mixtral-fc1) -1.2..+1.6% in the mix,
+        # where the tensor cores' saved cycles are spent at the power limit: one set there.
+        schedule = SM90_TILES.get(tuple(spec.mma_tiler_mn))
+        if spec.wgrad_dtype.itemsize != 2 or spec.accumulate:
+            return 1
+        if schedule == "cooperative":
+            short = spec.mma_tiler_mn[0] == 128 and _output_tiles(spec) <= SHORT_OUTPUT_TILES
+            return 2 if short else 1
+        if schedule != "pingpong":
             return 1
         return 2 if _output_tiles(spec) >= EPI_SPLIT_TILES else 1
 

@@ -148,8 +148,9 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         if spec.wgrad_dtype.itemsize != 2 or spec.accumulate:
             return 1
         if schedule == "cooperative":
+            # (Not with the K split, whose turn flags count one store warp per tile.)
             short = spec.mma_tiler_mn[0] == 128 and _output_tiles(spec) <= SHORT_OUTPUT_TILES
-            return 2 if short else 1
+            return 2 if short and not spec.split_tokens else 1
         if schedule != "pingpong":
             return 1
         return 2 if _output_tiles(spec) >= EPI_SPLIT_TILES else 1

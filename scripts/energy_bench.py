@@ -191,12 +191,8 @@ def mixed(fn, other):
     return step
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    import torch
-
-    from gwgrad.bench import (DEFAULT_SHAPES, CopyBuffers, RowInputs, build_methods, new_row,
-                              parse_tile, round_order, select_shapes)
-
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The command line (no GPU needed): --settle must be shorter than --window."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="dsv3-fc1,gptoss-fc1")
     p.add_argument("--dist", default="uniform")
@@ -225,6 +221,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.settle >= args.window:
         p.error(f"--settle: expected less than --window ({args.window}), got {args.settle}")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import torch
+
+    from gwgrad.bench import (DEFAULT_SHAPES, CopyBuffers, RowInputs, build_methods, new_row,
+                              parse_tile, round_order, select_shapes)
+
+    args = parse_args(argv)
     configs = [parse_tile(t) for t in args.tiles.split(",") if t]
     sampler = Sampler(args.sample_ms, torch.cuda.current_device())
     print(f"nvidia-smi fields: {', '.join(sampler.fields)}", flush=True)

@@ -82,3 +82,15 @@ def test_mixed_calls_the_method_then_the_other():
     step()
     step()
     assert calls == ["gwgrad", "dense", "gwgrad", "dense"]
+
+
+def test_command_line_modes_and_the_settle_check():
+    """--mix and --accumulate (the main-grad path, FP32 outputs) parse without a GPU; a
+    settle window as long as the window is rejected."""
+    eb = load()
+    args = eb.parse_args(["--mix", "--accumulate", "--rows", "dsv3-fc1", "--reps", "3"])
+    assert args.mix and args.accumulate and args.reps == 3 and args.rows == "dsv3-fc1"
+    plain = eb.parse_args([])
+    assert not plain.mix and not plain.accumulate and plain.settle < plain.window
+    with pytest.raises(SystemExit):
+        eb.parse_args(["--window", "1.0", "--settle", "1.0"])

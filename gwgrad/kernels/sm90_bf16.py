@@ -36,6 +36,28 @@ Warp roles (384 threads, one CTA per SM, persistent):
   warp groups 1-2 consumer() (setmaxnreg 232): per unit mainloop() (WGMMA, FP32 accumulators
                  in registers), then epilogue(); the two groups share the work:
                  cooperative: both warp groups work on one unit, each on half of its rows;
+                              with spec.epi_buffer_sets=2 (coop_split; 128-row CTA tiles,
+                              no K split) each group stores its own 64 rows through its
+                              own staging buffers, the groups taking turns (EPI_ORDER, no
+                              drain). At the first unit group 1 waits out group 0's
+                              epilogue, so group 0 runs one epilogue ahead from then on:
+                              each group's epilogue overlaps the other group's mainloop,
+                              as with pingpong, at the cooperative tile's operand traffic
+                              (the A/B stages it is ahead by stay held until both groups
+                              release them). Two staging buffers per group, so the
+                              128x256 tile keeps four A/B stages (three with one set).
+                              Verified on the H200 (session 18):
+                              tests/test_sm90_kernel_gpu.py::
+                              test_cooperative_epilogue_buffer_set_per_group (16 cases:
+                              128x256 1x1 / 2x1 / 1x2, 128x192; every major, input order,
+                              output mode, accumulation; a 128-row tile whose second group
+                              lies wholly past the output); the PTX of every config
+                              without it is unchanged (tests/test_compile_sm90.py::
+                              test_cooperative_epilogue_buffer_set_per_group checks its
+                              barriers). The default on short experts' small outputs
+                              (backends/bf16_sm90.py: fine-256e); on the large outputs it
+                              saves cycles but not energy, which sets the time at the
+                              H200's power limit (docs/PERF_NOTES.md, session 18).
                  pingpong:    each warp group owns every other unit; ordered named barriers
                               hand the tensor cores from one to the other, so one group's
                               epilogue runs while the other group's mainloop does. A group

@@ -44,9 +44,10 @@ class StaticSpec:
     scale_recipe: Optional[str] = None
     # Tuning, with mma_tiler_mn and cluster_shape_mn (0 / None: the backend's default, filled
     # in by backends.finalize_spec): m-tiles per raster band of the unit order, columns of one
-    # epilogue sub-tile, sets of epilogue staging buffers (SM90 pingpong: 1, one set the two
-    # consumer groups take in turn; 2, a set per group, so their epilogues overlap). Part of
-    # the spec, so part of every cache key; never read from the environment.
+    # epilogue sub-tile, sets of epilogue staging buffers (SM90: 1, one set; 2, a set per
+    # consumer group: pingpong groups' epilogues overlap, cooperative groups of a 128-row tile
+    # store their 64 rows in turn, each overlapping the other's mainloop). Part of the spec,
+    # so part of every cache key; never read from the environment.
     raster_group: int = 0
     epi_tile_n: int = 0
     epi_buffer_sets: int = 0

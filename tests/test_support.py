@@ -366,3 +366,27 @@ def test_sm90_bf16_pairs_only_when_the_tiling_is_left_open():
     assert cluster_only.mma_tiler_mn == (128, 256) and cluster_only.unit_schedule == 1
     pair = finalize_spec(spec("sm_90a", cluster=(1, 2), **wide))[0]
     assert pair.mma_tiler_mn == (128, 256) and pair.unit_schedule == 3
+
+
+@pytest.mark.parametrize("arch", ["cpu", "sm_90a"])
+@pytest.mark.parametrize("case", ["k_split", "fp8"])
+def test_a_set_per_cooperative_group_is_refused_where_the_kernel_cannot_run_it(arch, case):
+    """epi_buffer_sets=2 on a cooperative tile is refused with the K split (its turn flags
+    count one store warp per tile) and with block-scaled inputs, by the GPU backend and by
+    the CPU reference alike (ValueError naming the argument)."""
+    import dataclasses
+
+    if arch != "cpu":
+        pytest.importorskip("cutlass")
+    from gwgrad.backends import finalize_spec
+    from kernel_compile import fp8_spec
+
+    if case == "k_split":
+        request = dataclasses.replace(_spec(arch, (128, 256), (1, 1)), split_tokens=256)
+        want = r"with the K split \(split_tokens=256\)"
+    else:
+        request = fp8_spec(arch, "block_1x128", tile=(128, 128), cluster=(1, 1))
+        want = "with block-scaled inputs on a cooperative tile"
+    finalize_spec(request)  # one set: accepted
+    with pytest.raises(ValueError, match=rf"^epi_buffer_sets: expected 1 {want}.*got 2$"):
+        finalize_spec(dataclasses.replace(request, epi_buffer_sets=2))

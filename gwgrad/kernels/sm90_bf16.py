@@ -54,7 +54,9 @@ Warp roles (384 threads, one CTA per SM, persistent):
                               lies wholly past the output); the PTX of every config
                               without it is unchanged (tests/test_compile_sm90.py::
                               test_cooperative_epilogue_buffer_set_per_group checks its
-                              barriers). The default on short experts' small outputs
+                              barriers); the bench's check of fine-256e. Not yet run
+                              under the fuzz, the sanitizers or the soak. The default on
+                              short experts' small outputs
                               (backends/bf16_sm90.py: fine-256e); on the large outputs it
                               saves cycles but not energy, which sets the time at the
                               H200's power limit (docs/PERF_NOTES.md, session 18).

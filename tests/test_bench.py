@@ -330,8 +330,14 @@ def test_a_tuned_config_runs_its_own_spec_on_the_cpu():
     out.zero_()
     paired()
     assert torch.equal(out, first)
-    with pytest.raises(ValueError, match="^epi_buffer_sets"):  # cooperative: one epilogue
-        bench.KernelRunner(inp.a, inp.b, inp.offsets, out, mma_tiler_mn=(128, 256),
+    coop = bench.KernelRunner(inp.a, inp.b, inp.offsets, out, mma_tiler_mn=(128, 256),
+                              tuning=(("epi_buffer_sets", 2),))  # a staging set per group
+    assert coop.spec.epi_buffer_sets == 2
+    out.zero_()
+    coop()
+    assert torch.equal(out, first)
+    with pytest.raises(ValueError, match="^epi_buffer_sets"):  # 256-row cooperative CTAs
+        bench.KernelRunner(inp.a, inp.b, inp.offsets, out, mma_tiler_mn=(256, 128),
                            tuning=(("epi_buffer_sets", 2),))
 
 

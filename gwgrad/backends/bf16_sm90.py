@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..kernels.tiling import (SCHEDULE_BALANCED, SCHEDULE_DYNAMIC, SM90_TILES, sm90_problem,
-                              sm90_schedule)
+from ..kernels.tiling import (SCHEDULE_BALANCED, SCHEDULE_DYNAMIC, SM90_TILES,
+                              epi_buffer_sets_problem, sm90_problem, sm90_schedule)
 from ..spec import StaticSpec
 from . import _cutedsl
 
@@ -148,9 +148,11 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         if spec.wgrad_dtype.itemsize != 2 or spec.accumulate:
             return 1
         if schedule == "cooperative":
-            # (Not with the K split, whose turn flags count one store warp per tile.)
-            short = spec.mma_tiler_mn[0] == 128 and _output_tiles(spec) <= SHORT_OUTPUT_TILES
-            return 2 if short and not spec.split_tokens else 1
+            # Where the kernel runs two (tiling.epi_buffer_sets_problem: 128-row CTA tiles, no
+            # K split).
+            runs = epi_buffer_sets_problem(2, schedule, spec.split_tokens, False,
+                                           spec.mma_tiler_mn[0]) is None
+            return 2 if runs and _output_tiles(spec) <= SHORT_OUTPUT_TILES else 1
         if schedule != "pingpong":
             return 1
         return 2 if _output_tiles(spec) >= EPI_SPLIT_TILES else 1

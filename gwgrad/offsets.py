@@ -66,12 +66,24 @@ def tokens_sum_multiple(spec: StaticSpec) -> int:
 NEGATIVE_COUNT, LAST_NOT_TOKENS_SUM, COUNT_NOT_MULTIPLE = 1, 2, 3
 #: The experts' scale columns (gwgrad/scales.py) do not fit the scale tensors (names sfa_tensor).
 SCALES_TOO_SMALL = 4
+#: Discrete output: an expert's address in ``wgrad_ptrs`` is null or not 16-byte aligned (names
+#: wgrad_ptrs; checked after the offsets, like the host's check_values).
+OUTPUT_PTR_INVALID = 5
 
 
 def problem_argument(code: int, name: str = "offsets_tensor") -> str:
     """The argument a problem is reported under: ``sfa_tensor`` for ``SCALES_TOO_SMALL``
-    (the scale tensors are too small for these offsets), else ``name``."""
-    return "sfa_tensor" if code == SCALES_TOO_SMALL else name
+    (the scale tensors are too small for these offsets), ``wgrad_ptrs`` for
+    ``OUTPUT_PTR_INVALID``, else ``name``."""
+    if code == SCALES_TOO_SMALL:
+        return "sfa_tensor"
+    return "wgrad_ptrs" if code == OUTPUT_PTR_INVALID else name
+
+
+def ptr_detail(expert: int, address: int, name: str = "wgrad_ptrs") -> str:
+    """The message of an invalid per-expert output address (host and device checks)."""
+    return (f"expected a non-null, 16-byte aligned address per expert, got "
+            f"{name}[{expert}] = {address:#x}")
 
 
 def find_problem(offsets: np.ndarray, tokens_sum: int, multiple: int,
@@ -142,6 +154,8 @@ def problem_detail(code: int, expert: int, value: int, prev: int, tokens_sum: in
             what, formula = "scale columns", f"sum of round_up(ceil(count/{tokens}), {pad})"
         return (f"expected at least {value} {what} for {experts} with these offsets "
                 f"({formula}), got {prev}")
+    if code == OUTPUT_PTR_INVALID:  # the address's low and high 32 bits
+        return ptr_detail(e, (prev & 0xFFFFFFFF) << 32 | (value & 0xFFFFFFFF))
     return f"invalid offsets (problem code {code} for expert {e})"
 
 
@@ -177,8 +191,7 @@ def check_ptr_values(ptrs: np.ndarray, name: str = "wgrad_ptrs") -> None:
     bad = np.flatnonzero((values == 0) | (values % 16 != 0))
     if bad.size:
         e = int(bad[0])
-        raise ArgumentError(name, f"expected a non-null, 16-byte aligned address per expert, got "
-                                  f"{name}[{e}] = {int(values[e]):#x}")
+        raise ArgumentError(name, ptr_detail(e, int(values[e]) & (2**64 - 1), name))
 
 
 def _read(desc: TensorDesc, np_dtype, stream: int) -> np.ndarray:

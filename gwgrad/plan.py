@@ -134,9 +134,15 @@ def compile_spec(request: StaticSpec, tokens_sum: Optional[int] = None) -> Compi
 #: hand-off counters of single-launch kernels (kernels/common.py); every launch leaves them zero.
 WORKSPACE_ZEROED_BYTES = 16
 
-#: Base-address alignment each operand needs (bytes); checked per launch with bit operations.
+#: Base-address alignment each operand needs (bytes), the same as the contract's first-call
+#: check (gwgrad/validation.py): 16 for what the kernels read or write through TMA or 16-byte
+#: vectors (A, B, the output, the pointer array, the scale tensors), 4 for int32 / float32
+#: words (offsets, global scales). Checked on every launch with a few bit operations: plans
+#: are keyed by layout, not by address, so a cached plan meets new addresses on every call.
 _ALIGN = {"a_tensor": 16, "b_tensor": 16, "offsets_tensor": 4, "wgrad_tensor": 16,
-          "wgrad_ptrs": 16}
+          "wgrad_ptrs": 16, "sfa_tensor": 16, "sfb_tensor": 16, "global_scale_a": 4,
+          "global_scale_b": 4}
+_SCALE_NAMES = ("sfa_tensor", "sfb_tensor", "global_scale_a", "global_scale_b")
 
 
 def _template(desc: Optional[TensorDesc]) -> Optional[TensorDesc]:
@@ -210,7 +216,14 @@ class LaunchPlan:
         gwgrad.status); ``validate_offsets=True`` also checks them on the host first (one
         copy and a synchronization; skipped during CUDA-graph capture)."""
         if (a | b | out) & 15 or offsets & 3:
-            self._misaligned(a, b, offsets, out)
+            self._misaligned((a, b, offsets, out))
+        if scales or self._scale_tail:
+            if len(scales) != 4:
+                raise ArgumentError("sfa_tensor", "expected scales=(sfa, sfb, global_scale_a, "
+                                    "global_scale_b) addresses (0: no global scale), got "
+                                    f"{scales!r}")
+            if (scales[0] | scales[1]) & 15 or (scales[2] | scales[3]) & 3:
+                self._misaligned((a, b, offsets, out, *scales))
         if not self.is_cuda:  # the reference: synchronous, checks the offsets itself
             self._launch_args(a, b, offsets, out, scales, 0, 0)
             return
@@ -218,9 +231,6 @@ class LaunchPlan:
             status.raise_pending()
         if validate_offsets:
             self._check_on_host(offsets, out, stream)
-        if self._scale_tail and len(scales) != 4:
-            raise ArgumentError("sfa_tensor", "expected scales=(sfa, sfb, global_scale_a, "
-                                f"global_scale_b) addresses (0: no global scale), got {scales!r}")
         kernel = self._kernel
         if kernel is None or (self.workspace_bytes and not workspace):
             self._launch_slow(a, b, offsets, out, scales, stream, workspace)
@@ -288,10 +298,17 @@ class LaunchPlan:
         args.stream, args.workspace = stream, workspace
         self.operator.backend.launch(self.operator.handle, self.spec, args)
 
-    def _misaligned(self, a: int, b: int, offsets: int, out: int) -> None:
-        for name, ptr in (("a_tensor", a), ("b_tensor", b), ("offsets_tensor", offsets),
-                          (self.out_name, out)):
-            if ptr % _ALIGN[name]:
+    def _misaligned(self, addresses: Tuple[int, ...]) -> None:
+        """Raise naming the first misaligned argument among ``addresses`` (a, b, offsets, out
+        and, for block-scaled inputs, the four scale addresses). An empty tensor's address is
+        never read, so it may have any alignment, as on the first call; returns if only
+        empty tensors had low bits set."""
+        ta, tb, toff, tw, tp = self._templates
+        layouts = (ta, tb, toff, tp if self.discrete else tw) + (
+            self._scale_templates or (None,) * 4)
+        names = ("a_tensor", "b_tensor", "offsets_tensor", self.out_name) + _SCALE_NAMES
+        for name, ptr, layout in zip(names, addresses, layouts):
+            if ptr % _ALIGN[name] and (layout is None or layout.numel):
                 raise ArgumentError(name, f"expected a {_ALIGN[name]}-byte aligned base "
                                           f"address, got {ptr:#x}")
 

@@ -6,7 +6,8 @@ writes nothing at all, and the prep kernel records the first problem in a small 
 record* in pinned, mapped host memory that every launch gets the address of (one record per
 process, for every device; the first error is kept until it is reported). Nothing
 synchronizes for it. The error is raised, as ``ArgumentError`` (a ``ValueError``) naming
-``offsets_tensor`` (``sfa_tensor`` when the scale tensors are too small for the offsets):
+``offsets_tensor`` (``sfa_tensor`` when the scale tensors are too small for the offsets,
+``wgrad_ptrs`` for an invalid per-expert output address):
 
 * by ``gwgrad.check_errors()``, which waits for the devices gwgrad launched on first;
 * by the next gwgrad launch in the process once the failed launch has completed (its record
@@ -14,12 +15,14 @@ synchronizes for it. The error is raised, as ``ArgumentError`` (a ``ValueError``
   later call. That call is not enqueued.
 
 Record layout (int32): [0] code (0: none; offsets.NEGATIVE_COUNT, LAST_NOT_TOKENS_SUM,
-COUNT_NOT_MULTIPLE, SCALES_TOO_SMALL), [1] expert, [2] offsets[expert], [3] the previous
+COUNT_NOT_MULTIPLE, SCALES_TOO_SMALL, OUTPUT_PTR_INVALID), [1] expert, [2] offsets[expert], [3] the previous
 offset (0 for expert 0), [4] tokens_sum, [5] the token-count multiple (>= 1; written last, so a
 non-zero [5] says the fields are complete), [6], [7] reserved. For SCALES_TOO_SMALL (block-
 scaled inputs whose scale tensors are too small for the offsets; raised naming
 ``sfa_tensor``): [2] the scale columns (blocked) or rows (block_1x128) experts 0..[1] need,
-[3] the scale tensors' capacity.
+[3] the scale tensors' capacity. For OUTPUT_PTR_INVALID (discrete output: an expert's
+address in ``wgrad_ptrs`` is null or not 16-byte aligned; raised naming ``wgrad_ptrs``): [2]
+and [3] the address's low and high 32 bits.
 """
 
 from __future__ import annotations
@@ -117,7 +120,8 @@ def raise_pending() -> None:
 
 def check_errors(synchronize: bool = True) -> None:
     """Raise the first invalid-offsets error of an earlier launch as ``ArgumentError``
-    naming ``offsets_tensor`` (or ``sfa_tensor``: offsets.problem_argument). ``synchronize``: first wait for every device gwgrad launched
+    naming ``offsets_tensor`` (or ``sfa_tensor`` / ``wgrad_ptrs``: offsets.problem_argument).
+    ``synchronize``: first wait for every device gwgrad launched
     on (otherwise only launches that already completed are seen)."""
     if synchronize and _address:
         for device_id in sorted(_devices):

@@ -20,7 +20,10 @@ from .scales import BLOCK_1X128, BLOCK_TOKENS, BLOCKED, PER_EXPERT_CHANNEL, RECI
 from .spec import INPUT_ORDERS, OUTPUT_MODES, StaticSpec
 from .tensors import TensorDesc
 
-#: TMA and the vectorized epilogue need 16-byte aligned base addresses.
+#: TMA and the vectorized epilogue need 16-byte aligned base addresses (A, B, the outputs, the
+#: scale tensors: a 1-byte E8M0 / E4M3 scale tensor too, since the kernels read it through TMA
+#: descriptors); int32 offsets and float32 global scales need 4 (gwgrad/plan.py checks the
+#: same on every launch).
 ALIGNMENT_BYTES = 16
 #: Scale-factor dtypes of the ``blocked`` recipe (MXFP8 / MXFP4: E8M0; NVFP4: E4M3).
 SF_DTYPES = (DType.FLOAT8_E8M0FNU, DType.FLOAT8_E4M3FN)
@@ -347,7 +350,9 @@ def build_spec(
     for name, desc in (("a_tensor", a), ("b_tensor", b), ("sfa_tensor", sfa), ("sfb_tensor", sfb),
                        ("wgrad_tensor", wgrad), ("sample_wgrad_expert", wgrad_expert)):
         check_aligned(desc, name)
-    check_aligned(offsets, "offsets_tensor", 4)
+    for desc, name in ((offsets, "offsets_tensor"), (global_scale_a, "global_scale_a"),
+                       (global_scale_b, "global_scale_b")):
+        check_aligned(desc, name, 4)
 
     if not a.is_cuda:
         target = "cpu"
@@ -562,6 +567,8 @@ def check_call(spec: StaticSpec, a: Optional[TensorDesc], b: Optional[TensorDesc
     for desc, name in ((a, "a_tensor"), (b, "b_tensor"), (sfa, "sfa_tensor"), (sfb, "sfb_tensor"),
                        (wgrad, "wgrad_tensor")):
         check_aligned(desc, name)
-    check_aligned(offsets, "offsets_tensor", 4)
+    for desc, name in ((offsets, "offsets_tensor"), (global_scale_a, "global_scale_a"),
+                       (global_scale_b, "global_scale_b")):
+        check_aligned(desc, name, 4)
     check_tokens_sum(spec, tokens_sum)
     return tokens_sum

@@ -253,20 +253,35 @@ class KernelChecks:
         assert (out[0].double() - ref0).norm() / ref0.norm() < 1e-2
 
 
-    def test_discrete_null_pointer_skips_expert(self):
+    @pytest.mark.parametrize("bad", ["null", "misaligned"])
+    def test_discrete_invalid_pointer_writes_nothing_and_is_reported(self, bad):
+        """A null or misaligned address in wgrad_ptrs fails the prep kernel's check: no expert's
+        output is written (the valid ones neither) and the error names wgrad_ptrs."""
         spec = make_spec(self.ARCH, 128, 128, 2, mode="discrete", tiling=self.TILINGS[1])
         spec, backend, compiled = compiled_for(spec)
         a, b, offs, t, a_parts, b_parts = make_operands(spec, [64, 64])
         keep = torch.full((128, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
-        ptrs = torch.tensor([0, keep.data_ptr()], dtype=torch.int64, device="cuda")
+        spare = torch.full((128 * 128 + 8,), float("nan"), device="cuda", dtype=torch.bfloat16)
+        address = 0 if bad == "null" else spare.data_ptr() + 2  # 2 bytes past 16-byte aligned
+        ptrs = torch.tensor([keep.data_ptr(), address], dtype=torch.int64, device="cuda")
         ws = torch.zeros(backend.workspace_bytes(spec), dtype=torch.uint8, device="cuda")
         args = LaunchArgs(a=desc(a), b=desc(b), offsets=desc(offs), tokens_sum=t,
                           wgrad_ptrs=desc(ptrs), stream=torch.cuda.current_stream().cuda_stream,
                           workspace=ws.data_ptr())
         backend.launch(compiled, spec, args)
         torch.cuda.synchronize()
-        ref = a_parts[1].double() @ b_parts[1].double()
-        assert (keep.double() - ref).norm() / ref.norm() < 1e-2
+        assert torch.isnan(keep).all() and torch.isnan(spare).all()  # nothing written
+        with pytest.raises(ValueError, match=rf"^wgrad_ptrs: expected a non-null, 16-byte "
+                                             rf"aligned address per expert, got wgrad_ptrs\[1\] "
+                                             rf"= {address:#x} \(found by the device-side"):
+            gwgrad.check_errors()
+        ptrs[1] = spare.data_ptr()  # valid addresses: both experts written
+        backend.launch(compiled, spec, args)
+        torch.cuda.synchronize()
+        gwgrad.check_errors()
+        for out, i in ((keep, 0), (spare[:128 * 128].view(128, 128), 1)):
+            ref = a_parts[i].double() @ b_parts[i].double()
+            assert (out.double() - ref).norm() / ref.norm() < 1e-2
 
 
     def test_skewed_many_experts(self):

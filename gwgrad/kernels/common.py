@@ -106,7 +106,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.typing import AddressSpace
 from cutlass.cutlass_dsl import dsl_user_op
 
-from ..offsets import COUNT_NOT_MULTIPLE, LAST_NOT_TOKENS_SUM, NEGATIVE_COUNT, SCALES_TOO_SMALL
+from ..offsets import (COUNT_NOT_MULTIPLE, LAST_NOT_TOKENS_SUM, NEGATIVE_COUNT,
+                       OUTPUT_PTR_INVALID, SCALES_TOO_SMALL)
 from ..scales import column_rule
 from .tiling import SCHEDULE_BALANCED, SCHEDULE_HYBRID
 
@@ -635,10 +636,11 @@ def scale_columns(cfg: cutlass.Constexpr, count: Int32) -> Int32:
 @cute.jit
 def check_offsets(
     cfg: cutlass.Constexpr, offsets: cute.Tensor, tokens_sum: Int32, ws: Workspace,
-    status: cute.Tensor, sf_capacity: Int32,
+    status: cute.Tensor, sf_capacity: Int32, wgrad_ptrs: cute.Tensor,
 ):
     """The offsets check of block 0 of the prep kernel (one warp): writes the verdict and, when
-    the offsets are invalid, claims and fills the status record (see module doc)."""
+    the offsets (or, in discrete mode, the per-expert output addresses) are invalid, claims
+    and fills the status record (see module doc)."""
     lane = cute.arch.lane_idx()
     e = cfg.num_experts
     # First expert (E: none) with a negative count, and with a count not a multiple.
@@ -688,6 +690,19 @@ def check_offsets(
         expert += too_small * first_over
         value += too_small * (cumulative_at - value)
         prev += too_small * (sf_capacity - prev)
+    if cutlass.const_expr(cfg.output_mode == "discrete"):
+        # Valid offsets so far: the first expert whose output address is null or not 16-byte
+        # aligned (TMA stores need 16); the record holds its low and high 32 bits.
+        first_bad = Int32(e)
+        for j in range(lane, e, 32):
+            first_bad = cutlass.min(first_bad, j + Int32(output_ptr_ok(wgrad_ptrs, j)) * (e - j))
+        first_bad = cute.arch.warp_redux_sync(first_bad, "min")
+        bad_ptr = Int32(first_bad < e) * Int32(code == 0)
+        address = wgrad_ptrs[cutlass.min(first_bad, e - 1)]
+        code += bad_ptr * OUTPUT_PTR_INVALID
+        expert += bad_ptr * first_bad
+        value += bad_ptr * (Int32(address & 0xFFFFFFFF) - value)
+        prev += bad_ptr * (Int32(address >> 32) - prev)
     if lane == 0:
         ws.verdict[0] = Int32(code == 0)
         if code != 0:
@@ -1063,7 +1078,7 @@ class GroupedWgradKernel(GemmEntryPoints):
         cfg = self.cfg
         ws = Workspace(cfg, workspace_ptr)
         if expert == 0:
-            check_offsets(cfg, offsets, tokens_sum, ws, status, sf_capacity)
+            check_offsets(cfg, offsets, tokens_sum, ws, status, sf_capacity, wgrad_ptrs)
         begin, end, columns_before = write_ranges_and_order(cfg, offsets, tokens_sum, ws, expert)
         a_e = expert_operand_view(mA, cfg.hidden, cfg.a_ragged_block, begin, end)
         b_e = expert_operand_view(mB, cfg.intermediate, cfg.b_ragged_block, begin, end)

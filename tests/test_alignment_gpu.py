@@ -41,7 +41,8 @@ def test_misaligned_scale_view_on_the_cached_path_raises(rng):
     same call with ``sfa_tensor`` a view one byte into a fresh buffer."""
     case = build(rng, "blocked", "e4m3", "e4m3", (64, 0, 96), hidden=256, inter=256,
                  sf_fmt="e8m0")
-    kw = {k: to_cuda(v, k) for k, v in case.kwargs.items() if k != "sf_vec_size"}
+    tensors = ("a_tensor", "b_tensor", "sfa_tensor", "sfb_tensor", "offsets_tensor")
+    kw = {k: to_cuda(case.kwargs[k], k) for k in tensors}
     out = torch.full(case.expected.shape, float("nan"), device="cuda")
     call = dict(kw, wgrad_tensor=out, sf_vec_size=32)
     gwgrad.grouped_gemm_wgrad_wrapper_sm100(**call)

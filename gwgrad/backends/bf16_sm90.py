@@ -37,39 +37,17 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
     name = "bf16_sm90"
 
     def default_tiling(self, spec: StaticSpec):
-        # Measured on an H200 (docs/PERF_NOTES.md, README Performance): pingpong 128x128 hides
-        # each tile's epilogue behind the other warp group's mainloop and wins wherever an
-        # expert's output has fewer than ~4096 such tiles (every benchmark row but one, by up
-        # to 6%); on very wide outputs (mixtral-fc1: 7168 tiles per expert) the cooperative
-        # 128x256 tile's lower L2 traffic wins by 8%.
-        # Session 13: a 1x2 pair of pingpong 128x128 CTAs (A multicast) with the balanced unit
-        # schedule (static on balanced counts, default_unit_schedule), gwgrad's variants
-        # alone (docs/results/h200_bench_tune_unit_schedule*.json), x this 1x1 default:
-        # - 16-bit outputs: +0.2..+4.9% on zipf and -0.7..+1.4% uniform on outputs of < 1024
-        #   tiles per expert (qwen3-30b, dsv3-fc2, dsv2lite-fc1) and +1.2..+1.6% on >= 4096
-        #   (mixtral-fc1, against 128x256); in between (dsv3-fc1, gptoss-fc1) +2.9..+3.1%
-        #   uniform but -1.6..-2.1% zipf: not taken there.
-        # - FP32 outputs (accumulating): +9.3..+10.4% uniform and -0.1..+0.1% zipf from 1024
-        #   tiles per expert (dsv3-fc1, gptoss-fc1; mixtral-fc1 +8.3% / +6.9% against
-        #   128x256); below, -5..-6% uniform (qwen3-30b): not taken.
-        # Session 17: in between (1024-4095 tiles per expert: dsv3-fc1, gptoss-fc1) a 2x1
-        # pair of cooperative 128x256 CTAs (a 256x256 cluster tile, B multicast), measured
-        # where the call's energy counts, at the H200's 700 W power limit: timed in 2 s
-        # windows each followed by the row's dense GEMM (a training step's mix,
-        # scripts/energy_bench.py --mix, h200_energy_mix_s17.json and _after_s17.json), its
-        # share of the step 4.1-8.3% faster than the 1x1 default on both rows, uniform and zipf
-        # (the 1x2 pair: +1.2..+2.3% uniform, -0.4..-2.5% zipf), and 1.4-5.9% alone. The
-        # interleaved bench ranks it 0.96-1.00x (each 12 ms sample runs at a clock that the
-        # neighbouring samples' power set: it counts cycles, not energy; PERF_NOTES).
-        # Session 18, the same mix on the other rows (h200_energy_mix_*_s18.json): on very
-        # wide outputs (>= 4096 tiles per expert, mixtral-fc1) the cooperative 128x256 1x1
-        # tile again, 1.4% / 2.5% faster than the 1x2 pair (uniform / zipf; identical
-        # variants agree within 0.2% there); below 1024 tiles the 1x2 pair stays (the 2x1
-        # pair of 128x256 and the 128x256 tile within -0.9..+3.0%, mixed); FP32 outputs keep
-        # theirs (the 1x2 pair from 1024 tiles 1.5-4.7% ahead of the 1x1 and 128x256 tiles).
+        # By 128x128 output tiles per expert (measurements: docs/PERFORMANCE.md):
+        # - pingpong 128x128 hides each tile's epilogue behind the other group's mainloop;
+        # - from WIDE_OUTPUT_TILES the cooperative 128x256 tile's lower L2 traffic wins;
+        # - a CTA pair multicasts the operand its CTAs share (half its L2 reads): a 2x1 pair
+        #   of cooperative 128x256 CTAs for 16-bit outputs of EPI_SPLIT_TILES..WIDE_OUTPUT_TILES
+        #   (the least energy per call, which sets the time at the H200's power limit), a 1x2
+        #   pair of 128x128 for 16-bit outputs below EPI_SPLIT_TILES and FP32 outputs from it;
+        #   elsewhere the pairs measure slower.
         tiles = _output_tiles(spec)
         # Pairs only when the caller chose neither field: a tile (or a cluster) the caller
-        # chose gets the 1x1 defaults it had before pairs were a default.
+        # chose gets the 1x1 rule for the other field.
         if spec.mma_tiler_mn is None and spec.cluster_shape_mn is None:
             sixteen_bit = spec.wgrad_dtype.itemsize == 2 and not spec.accumulate
             if (sixteen_bit and EPI_SPLIT_TILES <= tiles < WIDE_OUTPUT_TILES
@@ -86,12 +64,12 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         return (128, 128), (1, 1)
 
     def default_unit_schedule(self, spec: StaticSpec):
-        # Balanced (static on a launch whose counts are balanced, else dynamic) for CTA pairs:
-        # static pairs ran 1.00-1.09x dynamic ones on the uniform rows with 16-bit outputs and
-        # 1.01-1.04x with FP32 accumulation on outputs of >= 1024 tiles per expert; static
-        # 1x1 CTAs ran 0.67-0.84x (docs/PERF_NOTES.md, session 13), quads have not run
-        # statically, and the short-expert FP32 pairs (tiling_for_tokens) ran 0.89x static on
-        # fine-256e uniform: dynamic there.
+        # Balanced (static on a launch whose counts are balanced, else dynamic) for CTA pairs,
+        # where the static order measures faster on balanced counts. Dynamic for 1x1 CTAs
+        # (a static order moves several times the DRAM bytes: CTAs drift apart and stop
+        # sharing operand panels in L2), for quads (static orders untimed there) and for the
+        # short-expert FP32 pairs of tiling_for_tokens (slower static). The hybrid schedule
+        # stays opt-in: its static head moves more DRAM bytes on skewed counts.
         if (sorted(spec.cluster_shape_mn) != [1, 2] or spec.split_tokens
                 or (spec.wgrad_dtype.itemsize == 4 and _output_tiles(spec) < EPI_SPLIT_TILES)):
             return SCHEDULE_DYNAMIC
@@ -101,49 +79,39 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         # Many short experts with small outputs (fine-grained MoE): each 128x128 unit's
         # mainloop is a few k-blocks, so the per-unit fixed cost (pipeline fill, the epilogue
         # hand-off, the next unit's wait) and the operand traffic per output byte dominate.
-        # Measured on an H200, gwgrad's variants alone (docs/PERF_NOTES.md, session 7), at
-        # 128-384 tokens per expert on 96 tiles per expert: 16-bit outputs gain +0..+31% with
-        # the cooperative 128x256 tile (half the units; fine-256e +6% / +22%, uniform / zipf),
-        # FP32 outputs +1..+7% with a 1x2 cluster multicasting A (128x256 was -5% uniform
-        # there: its FP32 epilogue is not overlapped). Not taken: 512 tokens per expert
-        # (128x256 -5% / +8%), or 256 tokens on 352 or 1792 tiles per expert (-3..-10%).
+        # 16-bit outputs take the cooperative 128x256 tile (half the units), FP32 outputs a
+        # 1x2 pair of 128x128 multicasting A (128x256's FP32 epilogue is not overlapped);
+        # past SHORT_EXPERT_TOKENS or SHORT_OUTPUT_TILES both lose (docs/PERFORMANCE.md).
         if (_output_tiles(spec) > SHORT_OUTPUT_TILES
                 or tokens_sum > SHORT_EXPERT_TOKENS * spec.num_experts):
             return None
-        # Session 18: on 16-bit outputs a 2x1 pair of them (B multicast) where the pair fits,
-        # with a set of staging buffers per consumer group (default_epi_buffer_sets).
+        # 16-bit outputs: a 2x1 pair of them (B multicast) where the pair fits, with a set of
+        # staging buffers per consumer group (default_epi_buffer_sets).
         if spec.wgrad_dtype.itemsize == 2 and not spec.accumulate:
             return (128, 256), ((2, 1) if _pair_fits(spec.hidden) else (1, 1))
         if spec.wgrad_dtype.itemsize == 4 and spec.intermediate > 128:
             return (128, 128), (1, 2)
-        # Accumulating into 16 bits: not measured. An output of one 128-column tile: the
-        # pair's second CTA would have no columns of its own (it computes and stores nothing).
+        # Accumulating into 16 bits: the general default (the short-expert variants are untimed
+        # there). An output of one 128-column tile: the pair's second CTA would have no
+        # columns of its own (it computes and stores nothing).
         return None
 
     def default_tuning(self, spec: StaticSpec):
         # Bands of 16 m-tiles (L2 reuse of the K panels); epilogue sub-tiles of 64 columns for
-        # 16-bit outputs (half the barrier rounds of 32: +2-4% on the H200 rows), 32 for FP32
-        # so that the staging buffers leave four A/B stages.
+        # 16-bit outputs (half the barrier rounds of 32), 32 for FP32 so that the staging
+        # buffers leave four A/B stages.
         return 16, (64 if spec.wgrad_dtype.itemsize == 2 else 32)
 
     def default_epi_buffer_sets(self, spec: StaticSpec):
-        # Pingpong, 16-bit outputs of >= EPI_SPLIT_TILES tiles per expert: a set of staging
-        # buffers per consumer group, so the two groups' epilogues overlap (no EPI_ORDER
-        # hand-off, no store drain per unit), at the cost of one A/B stage (6 -> 5). Measured
-        # on an H200 with gwgrad's variants timed alone (docs/PERF_NOTES.md, session 6):
-        # +1..+3% on dsv3-fc1 and gptoss-fc1 (1792 and 1035 tiles per expert), -1..-2% on
-        # qwen3-30b and dsv2lite-fc1 (96-352 tiles), where the lost stage costs more than the
-        # overlap gives. FP32 outputs (no stage lost) showed no gain beyond the full bench's
-        # noise: one set. (A tile this kernel lacks gets 1 here and its ValueError from
+        # 16-bit outputs only (FP32 outputs lose no A/B stage to a second set and gain
+        # nothing). Pingpong tiles from EPI_SPLIT_TILES per expert: a set per consumer group
+        # lets both groups' epilogues overlap (no EPI_ORDER hand-off, no store drain per unit)
+        # at the cost of one A/B stage, which costs more than it gives on smaller outputs.
+        # Cooperative 128-row CTA tiles up to SHORT_OUTPUT_TILES (short experts): each group
+        # stores its own 64 rows while the other computes (coop_split); on larger outputs the
+        # saved cycles are spent at the H200's power limit, so one set. Measurements:
+        # docs/PERFORMANCE.md. (A tile this kernel lacks gets 1 here and its ValueError from
         # check_support.)
-        # Session 18, cooperative tiles: a set per group lets each group store its own 64 rows
-        # while the other computes (kernels/sm90_bf16.py, coop_split). fine-256e (256 tokens
-        # per expert, 96 tiles), the short-expert tiling's 128x256 1x1 and 2x1 pair, timed
-        # against one set (h200_energy_mix_fine256e_split_s18.json, h200_bench_tune_*_s18):
-        # 1.2% / 0.5% and 1.4% / 1.4% faster in the training-step mix (uniform / zipf; the
-        # 2x1 pair alone: -0.5% / +0.6%), 6.8% / 2.0% and 5.4% / 2.7% in the interleaved tune;
-        # on the large outputs (dsv3-fc1, gptoss-fc1, mixtral-fc1) -1.2..+1.6% in the mix,
-        # where the tensor cores' saved cycles are spent at the power limit: one set there.
         schedule = SM90_TILES.get(tuple(spec.mma_tiler_mn))
         if spec.wgrad_dtype.itemsize != 2 or spec.accumulate:
             return 1
@@ -159,8 +127,8 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
 
     def single_launch_problem(self, spec: StaticSpec):
         # None: one launch by default (the prep work inside the GEMM, before a hand-off),
-        # so the host pays one cudaLaunchKernelEx per call instead of two (docs/PERF_NOTES.md,
-        # the host path).
+        # so the host pays one cudaLaunchKernelEx per call instead of two (docs/PERFORMANCE.md,
+        # host overhead).
         return None
 
     def tiling_problem(self, spec: StaticSpec):

@@ -1,6 +1,6 @@
 """Block-scaled backend for the Blackwell SM100 family: MXFP8, NVFP4 and MXFP4 through the
 tcgen05 block-scaled kernel of kernels/sm100_blockscaled.py (the SM100 BF16 kernel's
-schedule, warp roles and epilogue; compile-verified only: no Blackwell GPU was available)."""
+schedule, warp roles and epilogue; compile-verified only, never run on an SM100 GPU)."""
 
 from __future__ import annotations
 

@@ -24,13 +24,10 @@ class Fp8Sm90Backend(_cutedsl.CuteDslBackend):
         _cutedsl.check_scaled_spec(spec)
 
     def default_tiling(self, spec: StaticSpec):
-        # Measured on the H200 (dsv3-fc1, channel scales): 128x192 1103 TFLOP/s, 128x128
-        # 1015; pingpong 64-row tiles are slower for the channel and 1x128 recipes (0.6-0.75x,
-        # docs/results/h200_bench_fp8_tiles.json). MXFP8 keeps the pingpong 64x128 (one
-        # group's per-32-token promotion beside the other's WGMMAs): timed alone against
-        # 128x128 in both orders (session 12, docs/results/h200_fp8_mx_tiles_ab*.json), it is
-        # 0.97-1.03x on the rows of >= 1024 tokens per expert and 1.02-1.09x on dsv2lite-fc1
-        # and fine-256e; 64x192 spills.
+        # Channel and 1x128 scales: the cooperative 128x192 tile, the fastest (128x128 on
+        # outputs of at most 128 columns); pingpong 64-row tiles are slower there. MXFP8: the
+        # pingpong 64x128 (one group's per-32-token promotion beside the other's WGMMAs), level
+        # with 128x128 or ahead of it; 64x192 spills. Measurements: docs/PERFORMANCE.md.
         if spec.scale_recipe == "blocked":
             return (64, 128), (1, 1)
         if spec.intermediate <= 128:

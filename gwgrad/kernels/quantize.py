@@ -12,78 +12,35 @@ recipe (bit-exact with the NumPy models of gwgrad/formats.py; the rounding rules
   per_expert_channel       FP32 ``amax / fmax`` per expert and channel, (E, channels)
   block_1x128              FP32 ``amax / fmax`` per channel and 128 tokens, (R, channels)
 
-Work split: a prep kernel (one CTA of 512 threads, plus CTAs zeroing the amax records of the
-two-pass formats) builds the call's tile table in the workspace: a block-wide prefix sum of the
-experts' tile and scale-column counts, then, per tile row, a binary search for its expert (no
-host sync; the per-CTA cost no longer grows with the number of experts). A tile CTA owns one
-128-token tile of one expert (tiles restart at each expert's first token, so no tile straddles
-two experts) and 64 channels; grid (channel blocks, tile bound), the tile bound
-``ceil(T / 128) + E`` covering any counts; each CTA reads its 32-byte table row, and rows past
-the last tile exit. Offsets are read through the GEMMs' sanitized ranges (a count that is
-negative, past ``tokens_sum`` or not a multiple of the format's count is empty), so no read or
-write leaves the caller's tensors whatever the offsets hold; scale writes past the capacity are
-dropped (the GEMM's device check then reports ``SCALES_TOO_SMALL``).
+Work split: a prep kernel (one CTA of 512 threads, plus CTAs zeroing the two-pass formats'
+amax records) builds the call's tile table in the workspace (a block-wide prefix sum of the
+experts' tile and scale-column counts, then a binary search per tile row for its expert; no
+host sync). A tile CTA owns one 128-token tile of one
+expert (tiles restart at each expert, none straddles two) and 64 channels; the grid's tile
+bound ``ceil(T / 128) + E`` covers any counts, rows past the last tile exit. Offsets go
+through the GEMMs' sanitized ranges, so no access leaves the caller's tensors whatever they
+hold; scale writes past the capacity are dropped (the GEMM then reports SCALES_TOO_SMALL).
 
-Threads (256): the x tile is staged in shared memory with 16-byte loads (8 threads per
-128-byte token row); thread (quarter q, channel c) then reads channel c of tokens 32q..32q+31,
-takes each value as FP32 bits with one ``prmt`` (its BF16 half of the shared word; MXFP4: two
-tokens' halves as one BF16x2 word, below), computes the amax of its 32 (or 2x16) values as
-integers on the BF16 bits (a block holding NaN or Inf gets an amax at or past Inf's bits, and
-forced codes), converts them with the block's scale (FP32 ``mul.rn`` / ``div.rn`` in inline
-PTX, never flushing denormals; FP8 by ``cvt.rn.satfinite``, NVFP4 by ``e2m1x8``, MXFP4 by
-``e2m1x8_bf16x2``, below) into a shared code tile, which is stored as 16-byte vectors, 8 (FP8)
-or 4 (FP4) threads per channel row segment. Shared rows are padded by one word (no bank
-conflicts either way). 1x128 and per-channel amaxes are combined across the four quarters in
-shared memory.
+Threads (256): the x tile is staged in shared memory (16-byte loads, rows padded by a word);
+thread (quarter q, channel c) takes channel c of tokens 32q..32q+31 as FP32 bits (one
+``prmt``), its block amax as integers on the bits (NaN / Inf: at or past Inf's bits, codes
+forced), and converts with the block's scale (IEEE ``mul.rn`` / ``div.rn``, denormals kept)
+by ``cvt.rn.satfinite`` (FP8), ``e2m1x8`` (NVFP4) or ``e2m1x8_bf16x2`` (MXFP4, two values per
+instruction); SM90 has no E2M1 cvt, and those functions document their arithmetic. Codes are
+stored from a shared tile as 16-byte vectors. The kernel is issue-bound: the E2M1 paths keep
+the integer / logic-pipe instructions per value low.
 
-Two-pass recipes (per_expert_channel and NVFP4 need an amax over the whole expert): after the
-prep kernel (which zeroes the records), an amax kernel on the same tiles reduces straight from
-its 16-byte loads (no shared staging): one ``atom.max`` per tile and channel, or per tile for
-NVFP4, into the uint32 workspace (non-negative float bits order as integers; a non-finite
-value records Inf's bits or more); then the quantizing kernel reads the amaxes. Empty experts
-get scale 1.0 (per_expert_channel) and global scale 1.0 (NVFP4) from the CTAs of tile row 0.
+Two-pass recipes (per_expert_channel, NVFP4: an amax over the whole expert): an amax kernel on
+the same tiles reduces straight from its loads with one ``atom.max`` per tile and channel (per
+tile for NVFP4) into the workspace, then the quantizing kernel reads it. Empty experts get
+scale 1.0 (per_expert_channel) and global scale 1.0 (NVFP4).
 
-E2M1 (MXFP4, NVFP4; SM90 has no E2M1 cvt). NVFP4: ``e2m1x8`` rounds eight FP32 products into
-one word with FP32 min / max / fma (saturate ``t = min(|q|, 6)``; ``2 / E``, E the power of two
-of ``max(t, 1)``, by one lop3; ``fma(t, 2 / E, 2**23)`` is ``2**23 + rint(2t / E)``), the code
-``k + 2e'`` by one ``mad.hi`` and the word packed by one ``mad.lo`` a value (Horner, one offset
-subtracted a word), the signs by a funnel shift; its block amax takes an unsigned and a signed
-maximum of the raw bits (no per-value mask). NVFP4's products are NaN only for ``0 * Inf``,
-when ``1 / (scale * g)`` overflows (a subnormal global scale), and those blocks (a uniform
-branch per word) take ``e2m1_code``, which rounds NaN to 0.
-
-MXFP4: the multiplier ``2**-s`` is a power of two, so the products of BF16 values are exact in
-BF16 (but below 2**-126, where any rounding keeps them under 0.25: code 0) and two values go
-per instruction: one ``prmt`` makes a BF16x2 word of tokens ``8w + k`` and ``8w + k + 4`` of
-the channel, the block amax is the unsigned / signed maximum on 16-bit halves (VIMNMX3.U16x2 /
-.S16x2), and ``e2m1x8_bf16x2`` runs e2m1x8's rounding on bf16x2 (abs, mul.rn, min, max,
-fma.rn: HFMA2 / HMUL2 / HMNMX2), the codes by one ``mad.hi`` a pair, a word by 3 ``mad.lo``,
-its 8 signs by 2 ``prmt`` (sign-replicating bytes) and 2 ``lop3``. A finite block's products
-are finite (``|q| < 8``) and a NaN / Inf block is forced to code 0, so no per-value NaN test.
-A block of BF16 denormals (scale 2**-127) needs ``mul.rn.bf16x2`` to keep denormal inputs
-(PTX's bf16 arithmetic has no .ftz; SASS HMUL2.BF16_V2 without .FTZ): GPU-checked by
-tests/test_quantize_gpu.py::test_fp4_tiny_expert[mxfp4] once run.
-Quantizing kernel, sm_90a SASS (channels 7168), a thread (32 values): 426 instructions (13.3 a
-value; 575 before the packed path, 18.0), 182 on the integer / logic pipe (HMNMX2's 32
-counted there; 281 before) and 137 on the FMA pipe (IMAD, HFMA2, HMUL2; 189 before),
-48 registers (64 before; 4 CTAs of 256 threads an SM either way); MXFP8: 364, 160, 56.
-The kernel was estimated issue-bound at 575 (and integer-pipe-bound before 04b4781).
-
-Verified: compile and PTX checks for sm_90a and sm_100a (tests/test_compile_quantize.py,
-ptxas: no spills); ``e2m1x8``'s arithmetic (the mad.hi / mad.lo packing included) emulated in
-NumPy on all 2**32 FP32 bit patterns against gwgrad.formats (tests/test_e2m1_rounding.py,
-GWGRAD_E2M1_FULL=1); ``e2m1x8_bf16x2`` emulated step by step (BF16 rounding of mul / fma with
-subnormals, the integer and prmt steps) on every non-NaN BF16 pattern in both halves times
-every E8M0 scale (codes 0..254) against ``formats.encode``, and with the 16-bit amax on random
-and special blocks against ``formats.quantize_mx`` (tests/test_e2m1_rounding.py, by default);
-the unsigned / signed amax is exact by the argument at its code. On an H200 (session 7), this
-code (the mad.hi / mad.lo packing, the unsigned / signed amax and MXFP4's packed BF16x2 path)
-runs bit-exact against gwgrad.formats in every format and recipe, with empty experts, counts
-that are not multiples of 128 and NaN / Inf / denormal inputs (tests/test_quantize_gpu.py and
-tests/test_adapter_jax_quantize_gpu.py, 60 GPU tests), at 65-88% of a device-to-device copy's
-bandwidth on every operand of the public shapes (MXFP4 71-84%, was 54-62% with funnel-shift
-packing; ``python -m gwgrad.bench.quantize --markdown --step``,
-docs/results/h200_bench_quantize.json).
+Verified: PTX and ptxas (no spills) for sm_90a and sm_100a by tests/test_compile_quantize.py;
+the E2M1 arithmetic emulated in NumPy against gwgrad.formats by tests/test_e2m1_rounding.py
+(every FP32 pattern with GWGRAD_E2M1_FULL=1; every BF16 pattern x E8M0 scale for MXFP4); on
+an H200, bit-exact in every format and recipe (NaN / Inf / denormal inputs, empty experts) by
+tests/test_quantize_gpu.py and tests/test_adapter_jax_quantize_gpu.py. Never run on an SM100
+GPU. Speed: docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -362,8 +319,7 @@ def e2m1x8(v, mult: Int32) -> Int32:
 
     and per word ``acc - E2M1_PACK_OFFSET`` (the nibbles are the codes: each <= 7, so no
     carries), its bit 3s replaced by the signs. 8 PTX instructions a value (4 of them on the
-    integer pipe, against 6 for the funnel-shift packing of the previous version and ~17
-    SASS for ``e2m1_code``). tests/test_e2m1_rounding.py checks this arithmetic on every
+    integer pipe; ~17 SASS for ``e2m1_code``). tests/test_e2m1_rounding.py checks this arithmetic on every
     FP32 bit pattern."""
     body = ["{", ".reg .f32 q, t, m;", ".reg .b32 i, y, z, acc, signs;",
             "mov.b32 signs, 0;"]
@@ -417,7 +373,9 @@ def e2m1x8_bf16x2(pairs, mult2: Int32) -> Int32:
     order of tokens 1, 3, 5, 7 (the bit 7s of the word's bytes: their nibbles' bit 3), of
     pairs 0 and 2 tokens 0, 2, 4, 6 (the bit 3s), merged by two ``lop3``. The rounding is
     e2m1x8's (its constants scaled to BF16) on values exact in BF16; only the packing
-    differs."""
+    differs. ``mul.rn.bf16x2`` keeps denormal inputs (PTX's bf16 arithmetic has no .ftz; SASS
+    HMUL2.BF16_V2 without .FTZ), which a block of BF16 denormals (scale 2**-127) needs
+    (tests/test_quantize_gpu.py::test_fp4_tiny_expert)."""
     body = ["{", ".reg .b32 q, t, m, i, y, z, s, e, acc, six, one, magic;",
             "mov.b32 six, 0x40C040C0;", "mov.b32 one, 0x3F803F80;",
             "mov.b32 magic, 0x43004300;"]

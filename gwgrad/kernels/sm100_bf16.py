@@ -1,83 +1,43 @@
 """Blackwell (SM100 family) grouped weight-gradient GEMM: W[e] = A[:, tokens_e] @ B[tokens_e, :].
 
-Work decomposition: units of (expert, cluster m-tile, n-tile) in the longest-first order of
+Decomposition: units of (expert, cluster m-tile, n-tile) in the longest-first order of
 kernels/common.py, whose prep kernel (shared with SM90) checks the offsets and writes the
-per-expert token ranges and TMA descriptors before this kernel runs. The grid has one cluster per unit; cluster launch
-control (CLC) turns it into a dynamic persistent schedule: a running cluster cancels the next
-not-yet-launched cluster and takes its unit, so clusters that drew short units take more of
-them and the hot experts' long units, handed out first, do not leave SMs idle at the end.
+per-expert token ranges and TMA descriptors before this kernel runs. The grid has one cluster
+per unit; cluster launch control (CLC) makes it a dynamic persistent schedule: a running
+cluster cancels the next not-yet-launched cluster and takes its unit, so the hot experts' long
+units, handed out first, do not leave SMs idle at the end.
 
-Warp roles (224 threads per CTA), as in the CuTe DSL Blackwell examples
-(dense_gemm_persistent_dynamic.py for CLC, moe/torch_grouped_mm.py for the 2Dx2D wgrad), with
-the unit hand-off of cuDNN frontend's wgrad kernel. The kernel body (gemm_cta) sets up shared
-memory, the pipelines, the TMEM allocator and the barriers, then calls one method per role:
-  warp 6    scheduler(): on the first CTA of the cluster, issues the CLC queries (multicast
-            to the cluster); in every CTA, the only reader of the responses: it decodes each
-            unit once (expert, tile, first token, k tiles) and publishes it to this CTA's
-            other roles through a 2-stage ring in shared memory (publish_words / take_words,
-            the SM90 kernel's hand-off), so the next query goes out while the epilogue is
-            still on the unit before last, and the TMA warp never waits for the epilogue.
-  warp 5    tma_loads(): loads the unit's A (tile_m x 64) and B (tile_n x 64) K-blocks
-            through the expert's descriptors (TMA zero-fills past the expert's last token),
-            multicast within the cluster where the tile is shared.
-  warp 4    mma(): tcgen05.mma into a double-buffered TMEM accumulator (2 x tile_n columns),
-            so the epilogue of one unit overlaps the mainloop of the next; with a 256-row tile
-            the two CTAs of a cluster pair run one 2-CTA MMA (cta_group::2), the leader
-            issuing it.
-  warps 0-3 epilogue(): allocates TMEM (warp 0), then per unit store_tile(): TMEM ->
-            registers -> output dtype -> shared memory, and warp 0 issues each sub-tile's TMA
-            store, or TMA reduce-add when accumulating, through the store helper shared with
-            SM90 (GroupedWgradKernel.store_subtile in kernels/common.py); dense outputs through
-            one (hidden, intermediate, E) descriptor, discrete outputs through the expert's
-            descriptor. An empty expert stores zeros, or nothing when accumulating; an MMA
-            of the cluster whose rows lie past the output stores nothing.
-
-Hooks for the block-scaled kernel (kernels/sm100_blockscaled.py, which extends this class):
-make_tiled_mma, scale_stage_bytes, setup_scales, tmem_columns on the host; scale_sources /
-kernel_scaled / prep_kernel_scaled at launch; scale_buffers, scale_load_partitions,
-load_scales, mma_block_state, unit_tokens, mma_block and unit_alpha in the kernel. With scales None (BF16) none of them runs and
-the PTX is the same as before they existed.
-
+Warp roles (224 threads per CTA), after the CuTe DSL Blackwell examples
+(dense_gemm_persistent_dynamic.py for CLC, moe/torch_grouped_mm.py for the 2Dx2D wgrad):
+  warp 6     scheduler(): issues the CLC queries (first CTA of the cluster) and, in every CTA,
+             is the only reader of the responses; decodes each unit once and publishes it
+             to the other roles through a 2-stage unit ring (publish_words / take_words, as
+             on SM90), so the next query goes out while the epilogue is on the unit before last.
+  warp 5     tma_loads(): the unit's A (tile_m x 64) and B (tile_n x 64) K-blocks through the
+             expert's descriptors (zero-fill past its last token), multicast in the cluster.
+  warp 4     mma(): tcgen05.mma into a double-buffered TMEM accumulator (2 x tile_n columns),
+             so one unit's epilogue overlaps the next unit's mainloop; a 256-row tile is one
+             2-CTA MMA (cta_group::2) issued by the pair's leader.
+  warps 0-3  epilogue(): allocate TMEM (warp 0); per unit store_tile(): TMEM -> registers ->
+             output dtype -> shared memory -> TMA store or reduce-add (store_subtile, shared
+             with SM90). Empty experts store zeros (nothing when accumulating); an MMA of the
+             cluster whose rows lie past the output stores nothing.
 Pipelines: ab (TMA -> UMMA, transaction mbarriers), acc (UMMA -> epilogue, TMEM stages), clc
-(CLC response -> the scheduler warp of every CTA), unit (scheduler -> TMA, MMA and epilogue
-warps of the CTA), and the epilogue's TMA store groups.
+(CLC response -> every CTA's scheduler warp), unit (scheduler -> TMA, MMA, epilogue warps) and
+the epilogue's TMA store groups. The block-scaled kernel (kernels/sm100_blockscaled.py)
+extends this class through hooks that do not run for BF16 (scales None).
 
-Invalid offsets: every thread of every CTA first reads the prep kernel's verdict (workspace
-byte 4; the prep kernel finished first, by stream order). When it is 0 every CTA exits at
-once, before any mbarrier init, cluster barrier, TMEM allocation or CLC query: all CTAs of a
-cluster leave the same way, no CTA waits on one that left, no cluster is cancelled (each of
-the grid's clusters launches and exits), and no output byte is written.
+Invalid offsets: every thread first reads the prep kernel's verdict; on invalid offsets every
+CTA exits before any mbarrier init, cluster barrier, TMEM allocation or CLC query, so no CTA
+waits on one that left and no output byte is written.
 
-How each SM100-only part was checked without Blackwell hardware (tests/test_compile_sm100.py
-compiles every mode on the default tile and every tile x cluster, each for sm_100a and sm_103a,
-and asserts on the PTX):
-  tcgen05 MMA      tcgen05.mma present; cta_group::2 exactly when the tile has 256 rows
-  TMEM             tcgen05.alloc / dealloc present (columns from the DSL's TMEM helper for
-                   2 accumulator stages); the epilogue's tcgen05.ld present, and its
-                   tcgen05.wait::ld before each accumulator stage is released
-  CLC schedule     clusterlaunchcontrol.try_cancel present; mbarrier counts: the CLC slot
-                   is released by 32 x (CTAs in the cluster) threads (the scheduler warps),
-                   the unit ring by 6 x 32 (TMA, MMA, epilogue warps)
-  TMA multicast    multicast TMA loads (cp.async.bulk.tensor ... multicast::cluster) exactly
-                   when several MMAs of the cluster share B: cluster_m / (CTAs per MMA) > 1
-                   (the default 256-row tile on a (2, 1) cluster has none: the pair splits A
-                   and B)
-  descriptors      the acquire fence and prefetch.tensormap of each per-expert descriptor
-  stores           cp.reduce.async.bulk.tensor .add exactly when accumulating
-  offsets check    prep kernel: GPU-scope atom.cas on the status record and system-scope
-                   fences; GEMM: its first global load is the verdict and a branch on it comes
-                   before any mbarrier init, cluster barrier, tcgen05.alloc or CLC query
-The pipelines, warp roles and TMEM handshakes follow the two examples named above; where they
-differ: empty units skip the accumulator handshake and each epilogue thread releases the
-stage (as torch_grouped_mm does), and descriptors are acquired and prefetched per expert (the
-examples' prefetch_descriptor is for host descriptors), and only the scheduler warps read the
-CLC responses (the examples have every warp read them). Shared with the SM90 kernel and so
-exercised on the H200: the prep kernel (ranges, order, per-expert descriptors, the offsets
-check and its status record), the unit order and raster, the unit hand-off (publish_words /
-take_words), the epilogue decisions, the descriptor acquire-and-prefetch helper and the
-argument plumbing. Unverified until a Blackwell GPU runs tests/test_sm100_kernel_gpu.py:
-numerical results, the CLC and 2-CTA runtime behaviour (the scheduler's hand-off included:
-it has never run), the skip on invalid offsets, and performance.
+Compile-verified: tests/test_compile_sm100*.py (every mode and tile x cluster for sm_100a and
+sm_103a; the PTX holds tcgen05.mma, cta_group::2 exactly for 256-row tiles, tcgen05.alloc /
+ld / wait::ld, the CLC try_cancel and its mbarrier counts, multicast loads exactly where MMAs
+share an operand, the descriptor acquire and prefetch, reduce-add exactly when accumulating,
+and the offsets check before any other work); never run on an SM100 GPU
+(tests/test_sm100_kernel_gpu.py is written for it). Its prep kernel, unit order, unit hand-off
+and epilogue decisions are shared with the SM90 kernel and run on the H200.
 """
 
 # No `from __future__ import annotations`: the shared-storage struct built in launch() needs
@@ -655,6 +615,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         )
         while expert >= 0:
             if expert != last_expert:
+                # Device-written descriptors: acquire fence + prefetch per expert (the
+                # examples' prefetch_descriptor is for host descriptors).
                 acquire_descriptor(ws, expert, DESC_A)
                 acquire_descriptor(ws, expert, DESC_B)
                 if cutlass.const_expr(scales is not None):
@@ -831,8 +793,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                 store = store and output_ptr_ok(wgrad_ptrs, expert)
             if cutlass.const_expr(self.mmas_per_cluster_m > 1):
                 # Rows past the output: with a single MMA tile along M that tile mode has one
-                # element and the index would alias the first tile (as on SM90, where a CTA
-                # pair over one tile stored it twice; docs/PERF_NOTES.md, session 10).
+                # element and the index would alias the first tile (stored, or added, twice).
                 store = store and mma_m < self.mma_tiles_m
             if k_tiles > 0:
                 acc_pipeline.consumer_wait(acc_state)
@@ -858,6 +819,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                         c_pipeline, epi_bar, warp_idx, n_done, alpha,
                     )
                 n_done += 1
+            # Every epilogue thread releases the stage (as torch_grouped_mm does); an empty
+            # unit has no accumulator stage to wait for or release.
             if k_tiles > 0:
                 # This thread's TMEM loads are complete before the MMA may overwrite the stage.
                 cute.arch.fence_view_async_tmem_load()

@@ -6,46 +6,35 @@ with tcgen05's block-scaled MMA (kind::mxf8f6f4 for MXFP8, kind::mxf4nvf4 for NV
 `block_scale` with the scale factors in TMEM). alpha_e = global_scale_a[e] *
 global_scale_b[e] when the spec has global scales (NVFP4), else 1.
 
-Work split, warp roles, pipelines, schedule: those of the SM100 BF16 kernel
-(kernels/sm100_bf16.py), which this class extends through its hooks: units of (expert,
-cluster m-tile, n-tile) in longest-first order, the CLC dynamic persistent schedule read by the
-scheduler warp (6) and handed to the TMA (5), MMA (4) and epilogue (0-3) warps through the unit
-ring, per-expert TMA descriptors written by the prep kernel, 2-CTA MMA for 256-row tiles, TMA
-multicast within clusters, TMEM accumulators, the epilogue's TMA store / reduce-add (dense or
-discrete, bf16/fp16/fp32), empty experts (zeros, or nothing when accumulating) and the skip on
-invalid offsets (the prep kernel's verdict). Where this kernel differs, following the CuTe DSL
-example blockscaled_gemm/dense_blockscaled_gemm_persistent.py:
+Decomposition, warp roles, pipelines, schedule, epilogue and the skip on invalid offsets are
+those of the SM100 BF16 kernel (kernels/sm100_bf16.py), which this class extends through its
+hooks. Where it differs, after the CuTe DSL example dense_blockscaled_gemm_persistent.py:
   K blocks     4 MMA instructions: 128 tokens for FP8 (K=32 each), 256 for FP4 (K=64 each).
   prep kernel  also writes each expert's SFA and SFB descriptors (slots desc_sfa / desc_sfb):
                its chunk of the blocked 32x4x4 layout (gwgrad/scales.py) starts at
-               round_up(rows, 128) * sf_base[e] bytes, sf_base[e] the prefix sum of the padded
-               scale columns of the experts before it (computed by the same prep kernel, shared
-               with SM90 and run on the H200), and spans exactly its C_e columns: a load past
-               them is zero-filled by TMA, never another expert's scales.
+               round_up(rows, 128) * sf_base[e] bytes (sf_base: the prefix sum of the padded
+               scale columns of the experts before it) and spans exactly its C_e columns: a
+               load past them is zero-filled by TMA, never another expert's scales.
   TMA warp     per stage, with A and B: the m-tile's SFA and the n-tile's SFB atoms of the K
-               block (chunk-local coordinates), on the same transaction barrier, multicast as
-               the example does (SFA like A; SFB over the cluster's M extent).
+               block on the same transaction barrier, multicast as the example does (SFA like
+               A; SFB over the cluster's M extent).
   MMA warp     per stage: tcgen05.cp (4x32x128b) of the stage's scale factors smem -> TMEM
-               (columns after the accumulators), then one block-scaled MMA per K=inst_k step
-               with the SFA/SFB TMEM addresses of that step. A step whose first token is past
-               the expert's last token is not issued: the padding scale columns of the last
-               block (whatever bytes they hold) never reach an MMA. Token counts are multiples
-               of 32 (MXFP8, one K=32 step = one scale column) and 64 (FP4: one K=64 step), so
-               every issued step lies wholly inside the expert (gwgrad/offsets.py).
+               (columns after the accumulators), then one block-scaled MMA per K=inst_k step.
+               A step whose first token is past the expert's last is not issued, so the last
+               block's padding scale columns never reach an MMA; counts are multiples of 32
+               (MXFP8) and 64 (FP4) (gwgrad/offsets.py), so every issued step lies wholly
+               inside the expert.
   TMEM         512 columns: accumulator stages (two of tile_n columns; one when tile_n = 256)
                then the SFA and SFB columns of one K block.
   epilogue     multiplies the FP32 accumulator by alpha_e before the cast or the reduce-add.
 
-How this was checked without Blackwell hardware (tests/test_compile_sm100_blockscaled.py): every
-format x mode x tiling x cluster the predicate accepts compiles for sm_100a and sm_103a; the PTX
-holds tcgen05.mma with the block-scale kind of the format (mxf8f6f4 / mxf4nvf4, scale_vec
-matching sf_vec), tcgen05.cp, cta_group::2 exactly for 256-row tiles, the reduce store exactly
-when accumulating, and four descriptor slots per expert (five for discrete outputs). Shared with
-kernels run on the H200: the prep kernel's ranges, offsets check, scale-column prefix sum and
-capacity check (the SM90 FP8 kernel's, tests/test_fp8_sm90_gpu.py), the unit order, the
-hand-off, the epilogue's store decisions. Unverified until a Blackwell GPU runs
-tests/test_sm100_blockscaled_gpu.py: numerical results, the scale-factor TMA / tcgen05.cp data
-path and the TMEM column budget at run time, and performance.
+Compile-verified: tests/test_compile_sm100_blockscaled.py (every format x mode x tiling x
+cluster the predicate accepts, for sm_100a and sm_103a; the PTX holds tcgen05.mma of the
+format's block-scale kind and scale_vec, tcgen05.cp, cta_group::2 exactly for 256-row tiles,
+the reduce store exactly when accumulating, four descriptor slots per expert, five for
+discrete outputs); never run on an SM100 GPU (tests/test_sm100_blockscaled_gpu.py is written
+for it). The prep kernel's ranges, offsets check, scale-column prefix sum and capacity check
+are the SM90 FP8 kernel's, run on the H200 by tests/test_fp8_sm90_gpu.py.
 """
 
 # No `from __future__ import annotations`: the DSL reads kernel parameter annotations.

@@ -1,164 +1,46 @@
 """Hopper (SM90) grouped weight-gradient GEMM: W[e] = A[:, tokens_e] @ B[tokens_e, :].
 
-Work decomposition: units of (expert, m-tile, n-tile), longest experts first, handed out
-dynamically (see kernels/common.py for the unit order, the per-expert K ranges, the offsets
-check and the workspace the prep work writes before any unit starts).
+Decomposition: units of (expert, m-tile, n-tile), longest expert first, only for experts with
+tokens (kernels/common.py: unit order, per-expert K ranges and TMA descriptors, the offsets
+check). One launch per call by default: the CTAs do the prep work themselves and each goes on
+once every expert is prepared (common.prep_handoff, no grid barrier); spec.launches=2 (JAX,
+whose workspace is not zeroed) runs the prep kernel first. Every thread reads the offsets
+verdict first; on invalid offsets the CTA exits before any barrier init, load or store.
 
-One launch per call (spec.launches=1, the default for BF16): the CTAs first do the prep work
-themselves (GroupedWgradKernel.prep_in_kernel: their first warps take experts from a counter),
-and each goes on once every expert is prepared (kernels/common.prep_handoff; no CTA waits for
-another to start, so the launch is an ordinary one). With spec.launches=2 (JAX's custom call, whose
-XLA workspace is not zeroed) the prep kernel runs first instead.
+Warp roles (384 threads, one persistent CTA per SM):
+  warp 0       producer(): takes units (unit schedules below), publishes each to the consumers
+               (`sched` ring) and issues the TMA loads of its A (tile_m x 64) and B (tile_n x
+               64) K-blocks with the expert's descriptors (zero-fill past its last token),
+               decoding and prefetching the next unit's descriptors one unit ahead.
+  warps 1-3    zero_empty_experts(): TMA bulk copies of a shared line of zeros to the empty
+               experts' outputs (nothing when accumulating). Group 0 keeps 40 registers.
+  groups 1-2   consumer() (232 registers): mainloop() (WGMMA, FP32 accumulators in registers),
+               then epilogue(). cooperative: both groups share a unit, half its rows each;
+               with epi_buffer_sets=2 (coop_split) each stores its own 64 rows, the groups
+               taking turns, so one group's epilogue overlaps the other's mainloop. pingpong:
+               each group owns every other unit and hands the tensor cores over (MMA_ORDER)
+               once its last WGMMA batch is issued; the staging buffers are one set taken in
+               turn (EPI_ORDER) or, with epi_buffer_sets=2, a set per group.
+Pipelines: `ab` (TMA -> WGMMA, transaction mbarriers), `sched` (unit ids, producer -> consumers),
+the epilogue's TMA store groups; clusters add the leader's unit mailbox (cluster_next_unit).
+Epilogue: stmatrix into (64|128) x epi_tile_n sub-tiles, each TMA-stored (or reduce-added when
+accumulating) as soon as it is staged (GroupedWgradKernel.store_subtile, shared with SM100).
 
-Invalid offsets: every thread then reads the verdict (workspace byte 4; written before the prep
-hand-off, or by the prep kernel, which finished before this kernel started). When it is 0 the
-whole CTA skips everything, shared-memory setup and barrier init included: no loads, no MMA,
-no store, so the output (dense or discrete, accumulated or not) keeps every byte it had.
+Clusters (BF16): (1, 2) shares A, (2, 1) B, (2, 2) both, by TMA multicast; a unit is the
+cluster's tile, the leader takes units and hands them to its peers, and a CTA whose part lies
+past the output computes it (the cluster stays in step) and stores nothing. K split
+(split_tokens > 0, 1x1): an expert's chunks reduce-add into the tile in order (wait_turn /
+pass_turn; a 16-bit output rounds each chunk's partial sum). Unit schedules
+(tiling.UNIT_SCHEDULES): dynamic (atomic counter), static, balanced (static on balanced
+counts, decided in the kernel per launch) and hybrid.
 
-Warp roles (384 threads, one CTA per SM, persistent):
-  warp group 0   producer(). Warp 0 takes units (its block index first, then an atomic counter,
-                 or every grid-th unit: the unit schedules below),
-                 publishes each unit to the consumers through a small shared-memory ring, and
-                 issues the TMA loads of the unit's A (tile_m x 64) and B (tile_n x 64) K-blocks
-                 into a multi-stage ring, using the expert's own descriptors (TMA zero-fills
-                 past the expert's last token). It decodes the next unit and acquires and
-                 prefetches its descriptors one unit ahead, so the ring does not drain at unit
-                 boundaries. Only the experts with tokens have units (the first live *
-                 tiles_per_expert; workspace byte 16). Warps 1-3 (WarpRole.ZERO) zero the
-                 empty experts' outputs meanwhile: one lane per warp issues TMA bulk copies
-                 of a 512-byte line of zeros in shared memory, spread over the grid
-                 (zero_empty_experts; nothing when accumulating; verified on the H200 by
-                 tests/test_sm90_kernel_gpu.py::test_zero_fill_of_empty_experts, 36/36).
-                 Against session 15's 16-byte stores from 96 threads: 1.02-1.13x on the zipf
-                 rows with empty experts, level elsewhere (session 16); what they still cost
-                 against writing no zeros: docs/PERF_NOTES.md.
-                 Registers are given away (setmaxnreg 40).
-  warp groups 1-2 consumer() (setmaxnreg 232): per unit mainloop() (WGMMA, FP32 accumulators
-                 in registers), then epilogue(); the two groups share the work:
-                 cooperative: both warp groups work on one unit, each on half of its rows;
-                              with spec.epi_buffer_sets=2 (coop_split; 128-row CTA tiles,
-                              no K split) each group stores its own 64 rows through its
-                              own staging buffers, the groups taking turns (EPI_ORDER, no
-                              drain). At the first unit group 1 waits out group 0's
-                              epilogue, so group 0 runs one epilogue ahead from then on:
-                              each group's epilogue overlaps the other group's mainloop,
-                              as with pingpong, at the cooperative tile's operand traffic
-                              (the A/B stages it is ahead by stay held until both groups
-                              release them). Two staging buffers per group, so the
-                              128x256 tile keeps four A/B stages (three with one set).
-                              Verified on the H200 (session 18):
-                              tests/test_sm90_kernel_gpu.py::
-                              test_cooperative_epilogue_buffer_set_per_group (16 cases:
-                              128x256 1x1 / 2x1 / 1x2, 128x192; every major, input order,
-                              output mode, accumulation; a 128-row tile whose second group
-                              lies wholly past the output); the PTX of every config
-                              without it is unchanged (tests/test_compile_sm90.py::
-                              test_cooperative_epilogue_buffer_set_per_group checks its
-                              barriers); the bench's check of fine-256e. Not yet run
-                              under the fuzz, the sanitizers or the soak. The default on
-                              short experts' small outputs
-                              (backends/bf16_sm90.py: fine-256e); on the large outputs it
-                              saves cycles but not energy, which sets the time at the
-                              H200's power limit (docs/PERF_NOTES.md, session 18).
-                 pingpong:    each warp group owns every other unit; ordered named barriers
-                              hand the tensor cores from one to the other, so one group's
-                              epilogue runs while the other group's mainloop does. A group
-                              hands over once its unit's last WGMMA batch is issued, before
-                              that batch completes (mainloop, then mainloop_tail), so the
-                              tensor pipe does not drain at each hand-off (session 14: +2.1-
-                              2.7% on 1024-token units, docs/PERF_NOTES.md). The
-                              epilogue staging buffers are one set the groups take in turn
-                              (EPI_ORDER; each group drains its TMA stores before handing
-                              over), or with spec.epi_buffer_sets=2 a set per group, so the
-                              two groups' epilogues overlap too (for short experts, where a
-                              unit's epilogue outlasts its mainloop).
-
-Clusters (BF16 only): (1, 1); a CTA pair, (1, 2) sharing A or (2, 1) sharing B; or a 2x2
-quad, each CTA sharing A with its row peer and B with its column peer. A unit is then the
-cluster's tile (the prep kernel, the unit order and the descriptors are the 1x1 kernel's over
-that tile), each CTA computes its part, and each loads one slice of every operand it shares by
-TMA multicast into its peers' stages too (half the L2 reads of that operand); the `ab`
-pipeline's consumer releases reach every CTA that writes into a stage (itself, its row and
-column peers). The cluster's CTAs must walk the same units: the leader (rank 0) takes each
-from the atomic counter, as a 1x1 CTA does, and hands it to its peers through a small
-mailbox in their shared memory (st.async completing their barrier; they acknowledge on the
-leader's: cluster_next_unit), one unit ahead of use; the grid is the resident clusters. A
-CTA whose part of a unit lies past the output (an odd tile count, or a single CTA tile along
-the pair) computes it, so that the cluster stays in step, and stores nothing (its tile
-coordinate is checked against the output's CTA tiles: with a single tile along the pair the
-tile mode has one element and the coordinate would alias the first tile).
-
-K split (spec.split_tokens > 0, 1x1 clusters; kernels/common.py has the unit space): the
-producer hands out the live experts' chunks' units and publishes each unit's chunk as a fourth
-word; the store warp of a later chunk waits for the tile's flag before its first TMA reduce-add
-(wait_turn) and every chunk of a split expert counts itself after its TMA ops completed in
-global memory (pass_turn: wait_group 0, async-proxy fence, release). With a 16-bit output each
-chunk's partial sum is rounded before the add. Verified on the H200 (session 12):
-tests/test_sm90_kernel_gpu.py::test_k_split (every mode, a second call bit-equal, one CTA
-running every unit); with the split off, every earlier GPU test, the fuzz, the sanitizers and
-the soak pass on this code. Compile- and PTX-checked by
-tests/test_compile_sm90.py::test_k_split_compiles. Off by default: it bought nothing on the
-bench rows (docs/PERF_NOTES.md, session 12).
-
-Unit schedules (spec.unit_schedule, kernels/tiling.py; no K split): dynamic (above), static
-(the producer takes units b, b + grid, b + 2 * grid, ... from its block's (cluster's) index,
-no atomic counter and, on a cluster, no hand-off from the leader), or balanced: static on a
-launch whose counts are balanced (counts_balanced, from two words the prep work writes), else
-dynamic, chosen per launch in the kernel; or hybrid: as balanced, but an unbalanced launch
-hands out a static head (a multiple of the grid) and the rest from the counter, the tail
-holding at least grid x the longest expert's tokens of work (static_head). On the H200
-(sessions 13-14, gwgrad's variants alone) a static 1x2 cluster ran 1.00-1.04x the default on
-the uniform rows and 0.95-0.99x on zipf; a static 1x1 CTA 0.67-0.84x: ncu shows it moving
-3.2-4.6x the DRAM bytes of the dynamic order (the likely cause, not shown: CTAs running at
-unequal rates drift apart over the unit order, and the operand panels they share leave the
-L2). The hybrid's static head moves twice the dynamic pair's DRAM bytes on zipf counts (units
-of unequal length): -4.6% on gptoss-fc1 zipf, so it is opt-in. The
-balanced pairs (1x2 of 128x128; 2x1 of 128x256 since session 17) are the default where they
-measured faster (backends/bf16_sm90.py). Verified
-on the H200: tests/test_sm90_kernel_gpu.py::test_static_units (15 cases: 1x1, 1x2, 2x1, 2x2),
-::test_balanced_schedule and ::test_hybrid_schedule (36 cases each: which schedule ran, and
-the hybrid's head, are read back and checked against the rule computed in Python), the whole
-default GPU set, the fuzz and the sanitizers on the balanced defaults. Compile- and
-PTX-checked by tests/test_compile_sm90.py::test_unit_schedule_compile.
-
-Pipelines: `ab` (TMA -> WGMMA, mbarriers with transaction counts), `sched` (unit ids, producer
-warp -> all consumer threads), and the TMA store of the epilogue (bulk async groups).
-
-Epilogue: accumulators are converted to the output dtype, written to shared memory with
-stmatrix in (64|128) x 64 sub-tiles (x 32 for FP32), each stored with TMA as soon as it is
-staged (staging the whole tile first, with fewer barriers, measured 0.94-0.99x: session 15): a
-plain store, or a reduce-add
-(`cp.reduce.async.bulk.tensor .add`) when accumulating, issued by the store helper shared with
-SM100 (GroupedWgradKernel.store_subtile in kernels/common.py); dense outputs use one (hidden,
-intermediate, E) descriptor, discrete outputs the expert's descriptor from the workspace.
-Empty experts get no unit: warps 1-3 store their zeros (above), or nothing when accumulating.
-
-The early pingpong hand-off (session 14) ran on the H200 as it stands in the fuzz (500 cases),
-the sanitizers (39 cases: memcheck, racecheck, synccheck) and the bench's check of every row;
-the whole default GPU set (410) ran on a variant of it that handed off early on every cluster
-unit but on 1x1 CTAs only on units of <= 1024 tokens. PTX-checked by
-tests/test_compile_sm90.py::test_pingpong_hands_off_before_the_last_batch_completes.
-
-Verified on an H200: one launch and two (TestSm90TwoLaunches), every cluster shape; the
-GEMM's numbers in every mode (tests/test_sm90_kernel_gpu.py,
-tests/test_api_gpu.py, the adapters' GPU tests) and its speed (the benchmarks,
-docs/results/); the offsets check and the skip on invalid offsets (tests/test_status_gpu.py:
-default, graph-captured and validate_offsets=False launches write nothing and raise naming
-offsets_tensor). tests/test_compile_sm90.py also asserts the GPU-scope CAS and system-scope
-fence of the offsets check, the prep hand-off's atomics and fences, and the verdict load and
-branch before any GEMM work. The prep hand-off (session 10; it replaced a grid barrier behind
-a cooperative launch) ran on the H200 in session 11: test_single_launch_leaves_its_workspace_
-ready_for_any_grid (the words back to 0, grids of 132 and 1 CTA alternating) and
-test_single_launch_needs_no_resident_grid (grids of 2-3x what fits at once, where a grid
-barrier would hang) pass, and scripts/overlap_stall.py shows no stall beside another stream's
-kernel holding SMs. epi_buffer_sets=2
-(the default for 16-bit pingpong outputs of >= 1024 tiles per expert) and the clusters with the
-leader's unit hand-off ((1, 2): the pairs' default, among them FP32 outputs of short experts;
-(2, 1) of 128x256: the default for 16-bit outputs of 1024-4095 tiles per expert, session 17;
-(2, 2): opt-in) run on the H200 too: tests/test_sm90_kernel_gpu.py::test_pingpong_epilogue_buffer_set_per_group
-and TestSm90PairSharingA / TestSm90PairSharingB / TestSm90Quad (the whole KernelChecks suite
-for every cluster shape, every mode) pass; their speed is in docs/PERF_NOTES.md (sessions 6
-and 7).
+Verified on an H200: tests/test_sm90_kernel_gpu.py (TestSm90, TestSm90TwoLaunches,
+TestSm90PairSharingA / B, TestSm90Quad: every mode per cluster shape; test_pingpong_ and
+test_cooperative_epilogue_buffer_set_per_group, test_single_launch_*, test_static_units,
+test_balanced_schedule, test_hybrid_schedule, test_k_split, test_zero_fill_*),
+tests/test_status_gpu.py (invalid offsets write nothing), tests/test_api_gpu.py and the
+adapters' GPU tests. Not yet under the fuzz (tests/test_fuzz_gpu.py), the sanitizer or the soak
+runs: coop_split. PTX checks (sm_90a, no GPU): tests/test_compile_sm90.py.
 """
 
 # No `from __future__ import annotations`: the shared-storage struct built in launch() needs
@@ -288,11 +170,10 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
 
         Epilogue sub-tile: 128 rows cooperative, 64 pingpong or with a set per consumer
         group; columns cfg.epi_tile_n, or by default 64 for 16-bit outputs (half the barrier
-        rounds of 32: +2-4% on the H200 benchmark rows) and 32 for FP32, so that the staging
-        buffers leave four A/B stages. epi_stage buffers per set, cfg.epi_buffer_sets sets
-        (2 gives each consumer group its own; cooperative: two buffers each, so that the
-        cooperative 128x256 tile keeps four A/B stages). The A/B ring takes what shared
-        memory the epilogue buffers leave."""
+        rounds of 32) and 32 for FP32, so that the staging buffers leave four A/B stages.
+        epi_stage buffers per set, cfg.epi_buffer_sets sets (2 gives each consumer group its
+        own; cooperative: two buffers each, so that the cooperative 128x256 tile keeps four
+        A/B stages). The A/B ring takes what shared memory the epilogue buffers leave."""
         c_width = cfg.cutlass_c_dtype.width
         cta_m, cta_n = cfg.tile_m // cfg.cluster_m, cfg.tile_n // cfg.cluster_n
         epi_n = min(cfg.epi_tile_n or (64 if c_width == 16 else 32), cta_n)

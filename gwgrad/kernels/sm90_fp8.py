@@ -26,8 +26,9 @@ accumulator, then promoted into the main one on CUDA cores:
 Global scales (per expert) multiply the accumulator before the epilogue. An empty expert
 stores zeros (nothing when accumulating), whatever its scales hold.
 
-Verified: compile-checked (tests/test_compile_sm90.py: FP8 WGMMA in the PTX); on the H200 by
-tests/test_fp8_sm90_kernel_gpu.py and the benchmark, as recorded in docs/results/.
+Verified on an H200: tests/test_fp8_sm90_gpu.py (every recipe and mode, pingpong and
+cooperative tiles, mixed E4M3 / E5M2, special E8M0 codes; too-small scales and invalid
+offsets write nothing). PTX checks (sm_90a, no GPU): tests/test_compile_fp8_sm90.py.
 """
 
 import cutlass
@@ -301,11 +302,10 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
         """acc = the unit's sum, promoted from a temporary WGMMA accumulator (module doc).
 
         Each warp group waits for its own WGMMAs before promoting; the other group's WGMMAs
-        keep the tensor cores busy meanwhile. (Measured on the H200, dsv3-fc1: this serial
-        form 1015 TFLOP/s at 128x128, 1103 at 128x192; two temporaries alternating so that
-        K block k+1 is issued before k is promoted: 706, and no room for 128x192. Computing
-        the 1x128 / MXFP8 scale products before the wait instead of after it: 640 vs 992
-        (1x128, 128x192: registers spill) and 158 vs 171 (MXFP8, 128x128).)"""
+        keep the tensor cores busy meanwhile. This serial form is the fastest: two
+        temporaries alternating leave no registers for 128x192 and run slower at 128x128;
+        scale products computed before the wait spill (1x128 at 128x192) or run slower
+        (MXFP8) (docs/PERFORMANCE.md)."""
         cfg = self.cfg
         num_k_blocks = cute.size(tCrA, mode=[2])
         tmp = cute.make_rmem_tensor(acc.layout, self.acc_dtype)

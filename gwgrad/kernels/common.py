@@ -25,7 +25,7 @@ of each CTA take experts from a counter; GroupedWgradKernel.prep_in_kernel) and 
 goes on once every expert is prepared (prep_handoff). No CTA waits for another to start: the
 launch is an ordinary one, correct for any grid (one CTA resident at a time included), and a
 CTA that starts late (its SMs held by another stream's kernel) holds nobody up. One launch
-saves the host one cudaLaunchKernelEx per call (docs/PERF_NOTES.md).
+saves the host one cudaLaunchKernelEx per call (docs/PERFORMANCE.md, host overhead).
 
     counter   int32      byte 0: the dynamic scheduler's unit counter, reset to 0 (expert 0)
     verdict   int32      byte 4: 1 when the offsets are valid, 0 when not (expert 0, every launch)

@@ -227,8 +227,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     import torch
 
-    from gwgrad.bench import (DEFAULT_SHAPES, CopyBuffers, RowInputs, build_methods, new_row,
-                              parse_tile, round_order, select_shapes)
+    from benchmarks.wgrad import (DEFAULT_SHAPES, CopyBuffers, RowInputs, build_methods,
+                                  new_row, parse_tile, round_order, select_shapes)
 
     args = parse_args(argv)
     configs = [parse_tile(t) for t in args.tiles.split(",") if t]

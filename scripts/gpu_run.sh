@@ -9,8 +9,8 @@
 #   default steps, in this order: tests overhead coldstart bench
 #   also: accumulate (bench into FP32 outputs, the main-grad path), tune (gwgrad variants
 #   alone), examples, unrounded (bench with counts not rounded to 256), adapters (kernel time
-#   per adapter), fp8 (bench/fp8.py: the FP8 recipes), qtests (the quantizers' GPU tests),
-#   qbench (bench/quantize.py), fuzz (tests/test_fuzz_gpu.py), sanitize (scripts/sanitize.py),
+#   per adapter), fp8 (benchmarks/fp8.py: the FP8 recipes), qtests (the quantizers' GPU tests),
+#   qbench (benchmarks/quantize.py), fuzz (tests/test_fuzz_gpu.py), sanitize (scripts/sanitize.py),
 #   soak (scripts/soak.py), overlap (scripts/overlap_stall.py: gwgrad beside held SMs),
 #   reliability (the main-grad layer, short soak and two-GPU tests),
 #   ncu (scripts/profile_gemm.py under Nsight Compute: gwgrad vs dense cuBLAS per row),
@@ -68,14 +68,14 @@ for s in $steps; do
   case $s in
     overhead)
       step overhead 110 || continue
-      capture "$PY" -m gwgrad.bench.adapters --skip-kernel --step-timeout 30 \
+      capture "$PY" -m benchmarks.adapters --skip-kernel --step-timeout 30 \
         --json "$OUT/overhead.json"
       sed -n '/^host overhead per cached call/,$p' "$OUT/step.txt" | head -24
       [ $rc -eq 0 ] || tail -5 "$OUT/step.txt"
       done_step overhead $rc ;;
     coldstart)
       step coldstart 100 || continue
-      capture "$PY" -m gwgrad.bench.coldstart --timeout $(( (T - 5) / 2 )) \
+      capture "$PY" -m benchmarks.coldstart --timeout $(( (T - 5) / 2 )) \
         --json "$OUT/coldstart.json"
       tail -8 "$OUT/step.txt"
       done_step coldstart $rc ;;
@@ -136,13 +136,13 @@ for s in $steps; do
       done_step unrounded $rc ;;
     adapters)
       step adapters 300 || continue
-      capture "$PY" -m gwgrad.bench.adapters --dist uniform --skip-overhead --step-timeout 120 \
+      capture "$PY" -m benchmarks.adapters --dist uniform --skip-overhead --step-timeout 120 \
         --json "$OUT/bench_adapters.json"; tail -20 "$OUT/step.txt"
       done_step adapters $rc ;;
     fp8)
-      # FP8 recipes vs torch._scaled_grouped_mm, dense FP8 and gwgrad BF16 (bench/fp8.py).
+      # FP8 recipes vs torch._scaled_grouped_mm, dense FP8 and gwgrad BF16 (benchmarks/fp8.py).
       step fp8 300 || continue
-      capture "$PY" -m gwgrad.bench.fp8 --tiles "${GWGRAD_FP8_TILES-128x128}" \
+      capture "$PY" -m benchmarks.fp8 --tiles "${GWGRAD_FP8_TILES-128x128}" \
         --rows "${GWGRAD_FP8_ROWS-}" --rounds ${GWGRAD_BENCH_ROUNDS:-10} \
         --time-budget $((T > 90 ? T - 60 : T / 2)) --json "$OUT/bench_fp8.json"
       tail -20 "$OUT/step.txt"
@@ -155,9 +155,9 @@ for s in $steps; do
       tail -25 "$OUT/step.txt"
       done_step qtests $rc ;;
     qbench)
-      # bench/quantize.py: every format on the shapes' x and dy vs torch ops and a copy.
+      # benchmarks/quantize.py: every format on the shapes' x and dy vs torch ops and a copy.
       step qbench 300 || continue
-      capture "$PY" -m gwgrad.bench.quantize --rows "${GWGRAD_Q_ROWS-}" \
+      capture "$PY" -m benchmarks.quantize --rows "${GWGRAD_Q_ROWS-}" \
         --rounds ${GWGRAD_BENCH_ROUNDS:-10} --markdown --step \
         --time-budget $((T > 90 ? T - 60 : T / 2)) --json "$OUT/bench_quantize.json"
       tail -40 "$OUT/step.txt"

@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from gwgrad.bench import (DEFAULT_SHAPES, RowInputs, config_name, parse_tile,  # noqa: E402
-                          select_shapes)
+from benchmarks.wgrad import (DEFAULT_SHAPES, RowInputs, config_name, parse_tile,  # noqa: E402
+                              select_shapes)
 
 
 # ncu --csv --page details metric names -> summary columns (unit-normalized below)
@@ -143,7 +143,7 @@ def main() -> int:
     for shape in select_shapes(args.shapes, args.rows):
         for dist in args.dists.split(","):
             if args.fp8:
-                from gwgrad.bench.fp8 import Fp8Row
+                from benchmarks.fp8 import Fp8Row
 
                 inp = Fp8Row(shape, dist)
                 methods = {f"fp8_{r}": inp.runner(r) for r in args.fp8.split(",")}

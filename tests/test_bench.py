@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from gwgrad import bench
-from gwgrad.bench import format_table, token_counts
+from benchmarks import wgrad as bench
+from benchmarks.wgrad import format_table, token_counts
 
 SHAPE = {"name": "tiny", "hidden": 16, "intermediate": 24, "num_experts": 4, "tokens_sum": 1024}
 

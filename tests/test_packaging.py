@@ -31,15 +31,17 @@ def _numpy_only_dir(tmp_path: Path) -> Path:
     return shim
 
 
-def _run_isolated(code: str, paths, cwd: Path, site_dirs=()) -> str:
+def _run_isolated(code: str, paths, cwd: Path, site_dirs=(), check=True):
     """Run ``code`` in a Python with no site-packages: only ``paths`` (and .pth files of
-    ``site_dirs``) are importable."""
+    ``site_dirs``) are importable. Its stdout; with ``check=False`` the finished process."""
     prelude = "import sys, site\n"
     prelude += "".join(f"sys.path.insert(0, {str(p)!r})\n" for p in paths)
     prelude += "".join(f"site.addsitedir({str(d)!r})\n" for d in site_dirs)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     proc = subprocess.run([sys.executable, "-S", "-c", prelude + textwrap.dedent(code)],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    if not check:
+        return proc
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -78,7 +80,7 @@ def test_import_without_optional_frameworks_or_gpu():
         for name in ("torch", "jax", "jaxlib", "cupy", "cutlass"):
             sys.modules[name] = None  # any import of them now fails
         import numpy as np, gwgrad
-        from gwgrad.bench.demo import cpu_demo
+        from benchmarks.demo import cpu_demo
         assert cpu_demo(hidden=32, intermediate=48, num_experts=3, tokens_per_expert=20)
         print("ok", gwgrad.__version__)
     """)
@@ -107,8 +109,18 @@ def test_wheel_maps_adapters_into_the_package(tmp_path):
     assert not any(n.startswith("adapters/") for n in names)
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    out = _run_isolated(CHECK_ADAPTERS, [_numpy_only_dir(tmp_path), site], cwd=tmp_path)
+    numpy_only = _numpy_only_dir(tmp_path)
+    out = _run_isolated(CHECK_ADAPTERS, [numpy_only, site], cwd=tmp_path)
     assert out.splitlines()[0] == str(site / "gwgrad" / "adapters" / "__init__.py")
+    # The benchmarks and the demo stay in the checkout: from the wheel alone, the command says
+    # where they are instead of failing on an import.
+    run_main = "import runpy; sys.argv = ['gwgrad', {!r}]; runpy.run_module('gwgrad', run_name='__main__')"
+    for command in ("demo", "bench"):
+        proc = _run_isolated(run_main.format(command), [numpy_only, site], cwd=tmp_path,
+                             check=False)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert f"python -m gwgrad {command}: needs gwgrad's source checkout" in proc.stderr
+        assert "Traceback" not in proc.stderr
 
 
 def test_editable_install_maps_adapters(tmp_path):

@@ -98,7 +98,7 @@ def test_variant_methods_on_the_reference_backend():
     per-expert product."""
     import torch
 
-    from gwgrad.bench import RowInputs
+    from benchmarks.wgrad import RowInputs
 
     shape = {"name": "tiny", "hidden": 24, "intermediate": 40, "num_experts": 3,
              "tokens_sum": 48}

@@ -82,7 +82,7 @@ runs bit-exact against gwgrad.formats in every format and recipe, with empty exp
 that are not multiples of 128 and NaN / Inf / denormal inputs (tests/test_quantize_gpu.py and
 tests/test_adapter_jax_quantize_gpu.py, 60 GPU tests), at 65-88% of a device-to-device copy's
 bandwidth on every operand of the public shapes (MXFP4 71-84%, was 54-62% with funnel-shift
-packing; ``python -m gwgrad.bench.quantize --markdown --step``,
+packing; ``python -m benchmarks.quantize --markdown --step``,
 docs/results/h200_bench_quantize.json).
 """
 

@@ -1,5 +1,5 @@
 """The FP8 benchmark's reporting (benchmarks/fp8.py) on synthetic rows; the timing itself
-needs an SM90 GPU (scripts/gpu_run.sh fp8)."""
+needs an SM90 GPU (tools/gpu_run.sh fp8)."""
 
 from benchmarks import fp8
 

@@ -56,7 +56,7 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         # pair of cooperative 128x256 CTAs (a 256x256 cluster tile, B multicast), measured
         # where the call's energy counts, at the H200's 700 W power limit: timed in 2 s
         # windows each followed by the row's dense GEMM (a training step's mix,
-        # scripts/energy_bench.py --mix, h200_energy_mix_s17.json and _after_s17.json), its
+        # tools/energy_bench.py --mix, h200_energy_mix_s17.json and _after_s17.json), its
         # share of the step 4.1-8.3% faster than the 1x1 default on both rows, uniform and zipf
         # (the 1x2 pair: +1.2..+2.3% uniform, -0.4..-2.5% zipf), and 1.4-5.9% alone. The
         # interleaved bench ranks it 0.96-1.00x (each 12 ms sample runs at a clock that the

@@ -150,7 +150,7 @@ branch before any GEMM work. The prep hand-off (session 10; it replaced a grid b
 a cooperative launch) ran on the H200 in session 11: test_single_launch_leaves_its_workspace_
 ready_for_any_grid (the words back to 0, grids of 132 and 1 CTA alternating) and
 test_single_launch_needs_no_resident_grid (grids of 2-3x what fits at once, where a grid
-barrier would hang) pass, and scripts/overlap_stall.py shows no stall beside another stream's
+barrier would hang) pass, and a call shows no stall beside another stream's
 kernel holding SMs. epi_buffer_sets=2
 (the default for 16-bit pingpong outputs of >= 1024 tiles per expert) and the clusters with the
 leader's unit hand-off ((1, 2): the pairs' default, among them FP32 outputs of short experts;

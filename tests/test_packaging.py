@@ -52,8 +52,9 @@ def _copy_project(tmp_path: Path) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
     for name in ("gwgrad", "adapters"):
         shutil.copytree(ROOT / name, dest / name, ignore=ignore)
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, dest / name)
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        if (ROOT / name).exists():
+            shutil.copy(ROOT / name, dest / name)
     return dest
 
 
@@ -121,6 +122,75 @@ def test_wheel_maps_adapters_into_the_package(tmp_path):
         assert proc.returncode == 1, proc.stdout + proc.stderr
         assert f"python -m gwgrad {command}: needs gwgrad's source checkout" in proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def _pip_wheel_available() -> str:
+    """Why ``pip wheel --no-build-isolation`` cannot build here, or "" when it can."""
+    try:
+        import setuptools  # noqa: F401
+    except ImportError:
+        return "setuptools is not installed"
+    try:
+        from setuptools.command import bdist_wheel  # noqa: F401 - setuptools >= 70.1
+    except ImportError:
+        try:
+            import wheel  # noqa: F401 - older setuptools build wheels through it
+        except ImportError:
+            return "neither setuptools >= 70.1 nor the wheel package"
+    proc = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True)
+    return "" if proc.returncode == 0 else "pip is not available"
+
+
+def test_wheel_holds_the_library_its_adapters_and_the_license(tmp_path):
+    """``pip wheel .``: the library, its adapters and LICENSE; nothing of the checkout's
+    benchmarks, tools, tests, examples or docs (result files included); the version from
+    gwgrad/_version.py."""
+    missing = _pip_wheel_available()
+    if missing:
+        pytest.skip(f"cannot build a wheel here: {missing}")
+    project = tmp_path / "project"  # a copy: the build writes build/ and *.egg-info into it
+    shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".pytest_cache"))
+    dist = tmp_path / "dist"
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                           "--no-build-isolation", "--no-cache-dir", "-q", "-w", str(dist), "."],
+                          cwd=project, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = dist.glob("gwgrad-*.whl")
+    assert wheel.name.startswith(f"gwgrad-{gwgrad.__version__}-py3-none-any")
+    names = zipfile.ZipFile(wheel).namelist()
+    info = f"gwgrad-{gwgrad.__version__}.dist-info/"
+    for required in ("gwgrad/__init__.py", "gwgrad/_version.py", "gwgrad/__main__.py",
+                     "gwgrad/adapters/__init__.py", "gwgrad/adapters/torch.py",
+                     "gwgrad/adapters/jax.py", "gwgrad/adapters/cupy.py",
+                     "gwgrad/backends/__init__.py", "gwgrad/kernels/common.py",
+                     "gwgrad/interop/__init__.py", info + "METADATA"):
+        assert required in names, required
+    # setuptools >= 77 puts license files under dist-info/licenses/, older ones beside METADATA.
+    assert {info + "licenses/LICENSE", info + "LICENSE"} & set(names), \
+        "LICENSE is not in the wheel (is it missing from the repository root?)"
+    strays = [n for n in names if not n.startswith(("gwgrad/", info))]
+    assert strays == [], strays  # no benchmarks/, tools/, tests/, examples/, docs/
+    assert not [n for n in names if n.endswith((".json", ".png", ".md"))
+                and not n.startswith(info)], "result or doc files in the package"
+    assert not [n for n in names if "/bench" in n or "/results/" in n]
+    metadata_text = zipfile.ZipFile(wheel).read(info + "METADATA").decode()
+    assert f"\nVersion: {gwgrad.__version__}\n" in metadata_text
+
+
+def test_version_has_one_source():
+    from gwgrad import _version
+
+    assert gwgrad.__version__ == _version.__version__
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in config["project"] and "version" in config["project"]["dynamic"]
+    assert config["tool"]["setuptools"]["dynamic"]["version"] == {
+        "attr": "gwgrad._version.__version__"}
+    assert "__version__ = " not in (ROOT / "gwgrad" / "__init__.py").read_text()
 
 
 def test_editable_install_maps_adapters(tmp_path):

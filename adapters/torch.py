@@ -40,7 +40,7 @@ global_scale)`` of the FP8 / FP4 GEMMs, in torch's FP8 / FP4 / E8M0 dtypes; ``da
 
 Host cost: ``wgrad()`` in eager mode calls the kernel launcher directly (the dispatcher adds
 ~5 us and nothing else: these ops have no autograd formula), and under ``torch.compile``,
-dispatch modes or tensor subclasses goes through the op. See ``gwgrad/bench/adapters.py``.
+dispatch modes or tensor subclasses goes through the op. See ``benchmarks/adapters.py``.
 """
 
 from __future__ import annotations

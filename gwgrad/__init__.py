@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os as _os
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 
 def _find_checkout_adapters() -> None:

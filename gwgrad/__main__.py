@@ -1,13 +1,16 @@
 """``python -m gwgrad [info|demo|bench] [bench options]``.
 
-With no command: on a machine with a CUDA GPU, the benchmark (gwgrad.bench); without one,
-what the machine can do: the CPU demo through the public API, and a compile-only check of
-the kernels.
+With no command: on a machine with a CUDA GPU, the benchmark (``benchmarks.wgrad``); without
+one, what the machine can do: the CPU demo through the public API, and a compile-only check of
+the kernels. The benchmark and the demo live in the source checkout's ``benchmarks/``, which the
+wheel does not install: run from a checkout (an editable install or the checkout on
+``PYTHONPATH``) for them; ``info`` works anywhere.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import platform
 import sys
@@ -51,10 +54,36 @@ def info() -> int:
     return 0
 
 
-def _demo() -> int:
-    from .bench.demo import cpu_demo
+NO_CHECKOUT = ("python -m gwgrad {command}: needs gwgrad's source checkout: the benchmarks and "
+               "the demo live in its benchmarks/ folder, which the installed wheel does not "
+               "hold. Clone the repository and run from its root (pip install -e . there, or "
+               "put the checkout on PYTHONPATH), e.g. `python -m benchmarks.wgrad --help`.")
 
-    return 0 if cpu_demo() else 1
+
+def _benchmarks(module: str, command: str):
+    """``benchmarks.<module>`` from the checkout this gwgrad was imported from (its parent
+    folder); SystemExit with the way out where there is none (an installed wheel)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    folder = os.path.join(root, "benchmarks")
+    if not all(os.path.isfile(os.path.join(folder, name)) for name in ("__init__.py", "wgrad.py")):
+        raise SystemExit(NO_CHECKOUT.format(command=command))
+    loaded = sys.modules.get("benchmarks")
+    if loaded is not None and os.path.dirname(os.path.abspath(loaded.__file__ or "")) != folder:
+        raise SystemExit(f"python -m gwgrad {command}: another 'benchmarks' package "
+                         f"({loaded.__file__}) is already imported; run "
+                         f"`python -m benchmarks.{module}` from {root}")
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    package = importlib.import_module("benchmarks")
+    if os.path.dirname(os.path.abspath(package.__file__ or "")) != folder:
+        raise SystemExit(f"python -m gwgrad {command}: 'benchmarks' resolves to "
+                         f"{package.__file__}, not {folder}; run "
+                         f"`python -m benchmarks.{module}` from {root}")
+    return importlib.import_module(f"benchmarks.{module}")
+
+
+def _demo() -> int:
+    return 0 if _benchmarks("demo", "demo").cpu_demo() else 1
 
 
 def _compile_checks() -> None:
@@ -75,27 +104,28 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{info,demo,bench}")
     sub.add_parser("info", help="versions, GPUs, the kernel cache")
     sub.add_parser("demo", help="the CPU demo (reference backend)")
-    sub.add_parser("bench", help="the H100/H200 benchmark (needs a GPU)", add_help=False)
+    sub.add_parser("bench", help="the H100/H200 benchmark (needs a GPU and the source "
+                   "checkout: python -m benchmarks.wgrad)", add_help=False)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":  # the benchmark parses its own options (and --help)
-        from . import bench
-
-        return int(bench.main(argv[1:]) or 0)
+        return int(_benchmarks("wgrad", "bench").main(argv[1:]) or 0)
     args = _parser().parse_args(argv)  # --help, --version; unknown options exit with code 2
     if args.command == "info":
         return info()
     if args.command == "demo":
         return _demo()
     if cuda.available():
-        from . import bench
-
-        return int(bench.main([]) or 0)
+        return int(_benchmarks("wgrad", "bench").main([]) or 0)
     print("no CUDA GPU found: running the CPU demo (reference backend) instead of the benchmark")
-    status = _demo()
+    try:
+        status = _demo()
+    except SystemExit as exc:  # an installed wheel: no demo, the compile check still runs
+        print(exc, file=sys.stderr)
+        status = 0
     _compile_checks()
     return status
 

@@ -112,7 +112,7 @@ def hash_sources(root: Path, names: Sequence[str]) -> str:
 
 def entry_key(key_parts: Tuple, arch: str, options: str, signature: Sequence[str]) -> str:
     """The hex sha256 naming a kernel's cache entry."""
-    from . import __version__
+    from ._version import __version__
 
     text = json.dumps([FORMAT, __version__, dsl_version(), source_hash(), arch, options,
                        list(signature), [repr(part) for part in key_parts]])

@@ -18,6 +18,11 @@ import pytest
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # The disk cache of compiled kernels: a fresh directory per test session (subprocesses inherit it).
 os.environ["GWGRAD_CACHE_DIR"] = tempfile.mkdtemp(prefix="gwgrad-test-cache-")
+# The checkout's benchmarks/ and tools/ (not installed) import as `benchmarks`, whichever
+# directory pytest starts in; appended: an installed gwgrad stays the one under test.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.append(ROOT)
 
 import gwgrad  # noqa: E402
 from gwgrad import cuda  # noqa: E402

@@ -1,5 +1,5 @@
 """Seeded fuzz cases for the grouped weight-gradient GEMMs (issue #13), and the one runner that
-executes and checks them (the GPU fuzz test, scripts/sanitize.py and the CPU tests share it).
+executes and checks them (the GPU fuzz test, tools/sanitize.py and the CPU tests share it).
 
 A *case* is one static spec (everything a kernel compile bakes in: dims, experts, majors,
 input order, output mode and dtype, accumulate, tiling, FP8 recipe / formats / global scales)
@@ -48,7 +48,7 @@ guards); after the call the guards must be bit-unchanged, and every expert must 
 reference of the dequantized inputs: relative Frobenius error <= ``rel_tol`` (1e-2 for 16-bit
 outputs; for FP32: 2e-3 with FP8 inputs, as the existing GPU tests use, and with BF16 inputs
 max(1e-5, 2.5e-9 K), K the largest expert's tokens: the H200's tensor-core FP32 accumulation
-drifts linearly in K, 1.2e-9 K measured by scripts/probe_accumulation.py) and, per element, ``|got - ref| <= 2u(|ref| + |product|) + elem_tol
+drifts linearly in K, 1.2e-9 K measured) and, per element, ``|got - ref| <= 2u(|ref| + |product|) + elem_tol
 * rms(ref)`` (u: the output's unit roundoff; elem_tol: 30x the FP32 tolerance), which catches a
 few wrong elements that the Frobenius norm would average away. Invalid offsets: the whole output
 buffer must keep every byte and the error must name ``offsets_tensor`` (or ``sfa_tensor`` for
@@ -57,7 +57,7 @@ too-small scales). A valid call that the device check flags, or any exception, f
 Re-run: ``python -m pytest -q tests/test_fuzz_gpu.py`` on an SM90 GPU (see its header for the
 environment variables); ``python -m pytest -q tests/test_fuzz_cases.py`` on any machine (the
 generator's guarantees, and generated cases through this runner on the CPU reference backend);
-``python scripts/sanitize.py`` (compute-sanitizer over fixed cases built with these types).
+``python tools/sanitize.py`` (compute-sanitizer over fixed cases built with these types).
 """
 
 from __future__ import annotations
@@ -773,7 +773,7 @@ def tolerances(spec: Spec, max_count: int) -> Tuple[float, float, float]:
     ``ELEM_FACTOR`` times the FP32-accumulation part, in units of the expert's rms."""
     # BF16 inputs: the tensor cores' FP32 accumulation drifts from FP64 linearly in the tokens
     # per expert, 1.2e-9 x K relative on the H200 (7.6e-5 at 65536 tokens; cuBLAS's BF16 GEMM
-    # with FP32 output: 4.4e-6; scripts/probe_accumulation.py measures it): 2.5e-9 x K here.
+    # with FP32 output: 4.4e-6): 2.5e-9 x K here.
     acc_tol = 2e-3 if spec.kind == "fp8" else max(1e-5, 2.5e-9 * max_count)
     rel_tol = acc_tol if spec.out_dtype == "float32" else 1e-2
     return rel_tol, ELEM_FACTOR * acc_tol, UNIT_ROUNDOFF[spec.out_dtype]
@@ -1321,7 +1321,7 @@ def _write_log(path: str, summary: dict, records: List[dict]) -> None:
     os.replace(tmp, path)
 
 
-# --- quantizer cases (scripts/sanitize.py) ------------------------------------------------------
+# --- quantizer cases (tools/sanitize.py) ------------------------------------------------------
 
 @dataclass(frozen=True)
 class QuantCase:

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from gwgrad import bench
-from gwgrad.bench import format_table, token_counts
+from benchmarks import wgrad as bench
+from benchmarks.wgrad import format_table, token_counts
 
 SHAPE = {"name": "tiny", "hidden": 16, "intermediate": 24, "num_experts": 4, "tokens_sum": 1024}
 
@@ -402,39 +402,3 @@ def test_one_small_row_on_the_gpu(tmp_path):
     assert not row.get("check_failed"), row.get("rel_err")
     assert 0 < row["wrapper_over_adapter"] < 2
     assert math.isfinite(row["hbm"]["fraction"]["gwgrad"])
-
-
-def test_zipf_anatomy_variants():
-    """scripts/zipf_anatomy.py's count variants: subsets of the zipf counts, as named."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "zipf_anatomy.py"
-    spec = importlib.util.spec_from_file_location("zipf_anatomy", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    v = module.variants(131072, 128)
-    zipf = v["zipf"]
-    assert sum(v["uniform"]) == sum(zipf) == 131072 and len(zipf) == 128
-    assert v["zipf, empty experts dropped"] == [c for c in zipf if c]
-    assert 0 in zipf and 0 not in v["zipf, empty experts dropped"]
-    assert min(v["zipf, experts <= 512 tokens dropped"]) > 512
-    assert min(v["zipf, experts >= 8192 tokens only"]) >= 8192
-    assert len(v["zipf, experts >= 8192 tokens only"]) == 3
-    for chunk in (8192, 4096):
-        split = v[f"zipf, experts > {chunk} tokens split at {chunk}"]
-        assert sum(split) == 131072 and max(split) == chunk and split.count(0) == zipf.count(0)
-        assert len(split) == 128 + sum((c - 1) // chunk for c in zipf if c > chunk)
-        assert all(c % 256 == 0 for c in split)  # the row's rounding survives the split
-    both = v["zipf, empty dropped, > 4096 split at 4096"]
-    assert 0 not in both and sum(both) == 131072 and max(both) == 4096
-    assert module.split_long([0, 5, 10, 12], 5) == [0, 5, 5, 5, 5, 5, 2]
-    # The schedule model: 64-token K-tiles per unit, longest first, greedy on `slots`.
-    assert module.schedule_bound([64] * 4, 1, slots=2) == 1.0
-    assert module.schedule_bound([64] * 3, 1, slots=2) == 2 / 1.5  # a half-empty last wave
-    assert module.schedule_bound([128, 64, 64], 1, slots=2) == 1.0  # the short ones pair up
-    assert module.schedule_bound([0, 0], 4) == 1.0
-    assert module.schedule_bound([640, 64], 1, slots=2) == 10 / 5.5  # one long unit
-    assert module.schedule_bound([640, 64], 2, slots=2) == 1.0  # two: they pair up
-    full = module.schedule_bound(zipf, 96)  # qwen3-30b-fc2's tiles: the full row keeps busy
-    assert 1.0 <= full < 1.01 < module.schedule_bound(v["zipf, experts >= 8192 tokens only"], 96)

@@ -1,4 +1,4 @@
-"""gwgrad.bench.adapters' GPU-independent parts: step guards and (nested) deadlines, the
+"""benchmarks.adapters' GPU-independent parts: step guards and (nested) deadlines, the
 wall-clock timers, the tables, the host-overhead section run end to end on CPU tensors (the
 reference backend: its figures are not overheads, the wiring is what is checked), the
 ragged_dot_general competitor's formulation (on the CPU), and a clean exit without a GPU."""
@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from gwgrad.bench import adapters as ba
+from benchmarks import adapters as ba
 
 
 def test_guarded_records_errors_and_deadlines():

@@ -1,4 +1,4 @@
-"""Without a GPU: the SM100 block-scaled benchmark (gwgrad/bench/blockscaled.py) -- its command
+"""Without a GPU: the SM100 block-scaled benchmark (benchmarks/blockscaled.py) -- its command
 line, its refusal to run off SM100 (exit status 2), its rows, counts, FLOP formula, targets and
 reporting, and its whole row wiring on the CPU (gwgrad.quantize -> plan -> launch on the
 reference backend, spot checks included; torch's grouped and dense calls checked on the meta
@@ -19,8 +19,8 @@ import pytest
 import gwgrad
 from gwgrad import DType, from_pointer
 from gwgrad.backends import finalize_spec
-from gwgrad.bench import DEFAULT_SHAPES
-from gwgrad.bench import blockscaled as bs
+from benchmarks.wgrad import DEFAULT_SHAPES
+from benchmarks import blockscaled as bs
 from gwgrad.errors import ArgumentError
 from gwgrad.offsets import check_offsets_values, token_count_multiple
 from gwgrad.validation import build_spec
@@ -33,7 +33,7 @@ def _run_module(*args, env_extra=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "gwgrad.bench.blockscaled", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "benchmarks.blockscaled", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
 
 

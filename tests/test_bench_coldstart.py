@@ -1,4 +1,4 @@
-"""gwgrad.bench.coldstart without a GPU: the child script's construction, its environment, the
+"""benchmarks.coldstart without a GPU: the child script's construction, its environment, the
 parsing of its result, the summary against the target, and the whole measurement run end to
 end on the CPU (``--device cpu``: the reference backend; real child processes)."""
 
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from gwgrad.bench import coldstart as cs
+from benchmarks import coldstart as cs
 
 
 def test_child_script_is_valid_python_with_the_problem():

@@ -1,7 +1,7 @@
-"""The FP8 benchmark's reporting (gwgrad/bench/fp8.py) on synthetic rows; the timing itself
-needs an SM90 GPU (scripts/gpu_run.sh fp8)."""
+"""The FP8 benchmark's reporting (benchmarks/fp8.py) on synthetic rows; the timing itself
+needs an SM90 GPU (tools/gpu_run.sh fp8)."""
 
-from gwgrad.bench import fp8
+from benchmarks import fp8
 
 
 def _row(name="dsv3-fc1", **tflops):

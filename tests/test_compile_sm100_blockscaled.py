@@ -9,8 +9,7 @@ check. Rejected combinations raise a ValueError naming the argument before anyth
 
 Modes are checked on the default tile and tilings on the default mode (the kernel's mode
 branches and its tiling are independent compile-time choices of the same code), and a seeded
-sample of 12 points of the whole product each run (the whole product is 2,900 compiles:
-scripts/compile_sm100_blockscaled_product.py runs it).
+sample of 12 points of the whole product each run (the whole product is 2,900 compiles).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""scripts/energy_bench.py: nvidia-smi's samples parsed, a window's power, clock and per-call
+"""tools/energy_bench.py: nvidia-smi's samples parsed, a window's power, clock and per-call
 figures (CPU; the windows themselves run on the GPU)."""
 
 import importlib.util
@@ -12,8 +12,8 @@ FIELDS = ("timestamp", "total_energy_consumption", "power.draw.instant", "clocks
 
 
 def load(name="energy_bench"):
-    """scripts/<name>.py as a module."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    """tools/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -66,13 +66,6 @@ def test_derive_per_call_figures():
     med = eb.medians([row, eb.derive(6.0, {"W": None, "MHz": 1000.0}, 2e12)])
     assert med["ms"] == pytest.approx(5.0) and med["J"] == pytest.approx(2.8)
     assert med["Mcyc"] == pytest.approx(6.0)
-
-
-def test_zero_fill_rate_counts():
-    """scripts/zero_fill_rate.py: one live expert, the rest empty; the zeros' bytes."""
-    zr = load("zero_fill_rate")
-    assert zr.counts_for(4, 256) == [256, 0, 0, 0]
-    assert zr.zero_bytes(1536, 1024, 256, 2) == 255 * 1536 * 1024 * 2
 
 
 def test_mixed_calls_the_method_then_the_other():

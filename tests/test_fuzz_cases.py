@@ -1,5 +1,5 @@
 """CPU tests of the fuzz suite (tests/fuzz_cases.py, run on the GPU by tests/test_fuzz_gpu.py)
-and of scripts/sanitize.py, so that neither can pass vacuously on the GPU host:
+and of tools/sanitize.py, so that neither can pass vacuously on the GPU host:
 
 * the generator is deterministic per master seed, needs neither torch nor a GPU, and a case can
   be replayed alone;
@@ -15,7 +15,7 @@ and of scripts/sanitize.py, so that neither can pass vacuously on the GPU host:
   and a write under invalid offsets (the runner itself, on CPU torch tensors);
 * generated cases run end to end on the CPU reference backend through the same runner (the
   operand layouts, scale placement and read-back, entry points and FP64 reference);
-* ``scripts/sanitize.py --list`` works, its cases pass the same support checks and run on the
+* ``tools/sanitize.py --list`` works, its cases pass the same support checks and run on the
   CPU, its output parser and its parent / child orchestration work (with a stand-in for
   compute-sanitizer).
 
@@ -39,7 +39,7 @@ import fuzz_cases as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
-SANITIZE = os.path.join(ROOT, "scripts", "sanitize.py")
+SANITIZE = os.path.join(ROOT, "tools", "sanitize.py")
 SEEDS = (0, 1, 1234, 2 ** 32 - 1)
 
 
@@ -452,7 +452,7 @@ def test_generated_cases_run_on_the_cpu_reference(torch1, seed, tmp_path):
     assert summary["cases"] == len(picks)
 
 
-# --- scripts/sanitize.py -----------------------------------------------------------------------
+# --- tools/sanitize.py -----------------------------------------------------------------------
 
 def test_sanitize_lists_its_cases_and_each_passes_the_support_check():
     out = subprocess.run([sys.executable, SANITIZE, "--list"], capture_output=True, text=True,

@@ -51,7 +51,7 @@ def test_key_changes_with_every_input(monkeypatch):
     assert key() == base and len(base) == 64
     variants = [key(parts=("spec", 2)), key(parts=("other",)), key(arch="sm_100a"),
                 key(options="--gpu-arch sm_90a --keep-ptx"), key(signature=SIGNATURE[:-1])]
-    monkeypatch.setattr(gwgrad, "__version__", "0.0.0-test")
+    monkeypatch.setattr(gwgrad._version, "__version__", "0.0.0-test")
     variants.append(key())
     monkeypatch.undo()
     monkeypatch.setattr(kernel_cache, "dsl_version", lambda: "4.0.0")

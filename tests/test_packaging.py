@@ -31,15 +31,17 @@ def _numpy_only_dir(tmp_path: Path) -> Path:
     return shim
 
 
-def _run_isolated(code: str, paths, cwd: Path, site_dirs=()) -> str:
+def _run_isolated(code: str, paths, cwd: Path, site_dirs=(), check=True):
     """Run ``code`` in a Python with no site-packages: only ``paths`` (and .pth files of
-    ``site_dirs``) are importable."""
+    ``site_dirs``) are importable. Its stdout; with ``check=False`` the finished process."""
     prelude = "import sys, site\n"
     prelude += "".join(f"sys.path.insert(0, {str(p)!r})\n" for p in paths)
     prelude += "".join(f"site.addsitedir({str(d)!r})\n" for d in site_dirs)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     proc = subprocess.run([sys.executable, "-S", "-c", prelude + textwrap.dedent(code)],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    if not check:
+        return proc
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -50,8 +52,9 @@ def _copy_project(tmp_path: Path) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
     for name in ("gwgrad", "adapters"):
         shutil.copytree(ROOT / name, dest / name, ignore=ignore)
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, dest / name)
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        if (ROOT / name).exists():
+            shutil.copy(ROOT / name, dest / name)
     return dest
 
 
@@ -78,7 +81,7 @@ def test_import_without_optional_frameworks_or_gpu():
         for name in ("torch", "jax", "jaxlib", "cupy", "cutlass"):
             sys.modules[name] = None  # any import of them now fails
         import numpy as np, gwgrad
-        from gwgrad.bench.demo import cpu_demo
+        from benchmarks.demo import cpu_demo
         assert cpu_demo(hidden=32, intermediate=48, num_experts=3, tokens_per_expert=20)
         print("ok", gwgrad.__version__)
     """)
@@ -107,8 +110,87 @@ def test_wheel_maps_adapters_into_the_package(tmp_path):
     assert not any(n.startswith("adapters/") for n in names)
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    out = _run_isolated(CHECK_ADAPTERS, [_numpy_only_dir(tmp_path), site], cwd=tmp_path)
+    numpy_only = _numpy_only_dir(tmp_path)
+    out = _run_isolated(CHECK_ADAPTERS, [numpy_only, site], cwd=tmp_path)
     assert out.splitlines()[0] == str(site / "gwgrad" / "adapters" / "__init__.py")
+    # The benchmarks and the demo stay in the checkout: from the wheel alone, the command says
+    # where they are instead of failing on an import.
+    run_main = "import runpy; sys.argv = ['gwgrad', {!r}]; runpy.run_module('gwgrad', run_name='__main__')"
+    for command in ("demo", "bench"):
+        proc = _run_isolated(run_main.format(command), [numpy_only, site], cwd=tmp_path,
+                             check=False)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert f"python -m gwgrad {command}: needs gwgrad's source checkout" in proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def _pip_wheel_available() -> str:
+    """Why ``pip wheel --no-build-isolation`` cannot build here, or "" when it can."""
+    try:
+        import setuptools  # noqa: F401
+    except ImportError:
+        return "setuptools is not installed"
+    try:
+        from setuptools.command import bdist_wheel  # noqa: F401 - setuptools >= 70.1
+    except ImportError:
+        try:
+            import wheel  # noqa: F401 - older setuptools build wheels through it
+        except ImportError:
+            return "neither setuptools >= 70.1 nor the wheel package"
+    proc = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True)
+    return "" if proc.returncode == 0 else "pip is not available"
+
+
+def test_wheel_holds_the_library_its_adapters_and_the_license(tmp_path):
+    """``pip wheel .``: the library, its adapters and LICENSE; nothing of the checkout's
+    benchmarks, tools, tests, examples or docs (result files included); the version from
+    gwgrad/_version.py."""
+    missing = _pip_wheel_available()
+    if missing:
+        pytest.skip(f"cannot build a wheel here: {missing}")
+    project = tmp_path / "project"  # a copy: the build writes build/ and *.egg-info into it
+    shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".pytest_cache"))
+    dist = tmp_path / "dist"
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                           "--no-build-isolation", "--no-cache-dir", "-q", "-w", str(dist), "."],
+                          cwd=project, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = dist.glob("gwgrad-*.whl")
+    assert wheel.name.startswith(f"gwgrad-{gwgrad.__version__}-py3-none-any")
+    names = zipfile.ZipFile(wheel).namelist()
+    info = f"gwgrad-{gwgrad.__version__}.dist-info/"
+    for required in ("gwgrad/__init__.py", "gwgrad/_version.py", "gwgrad/__main__.py",
+                     "gwgrad/adapters/__init__.py", "gwgrad/adapters/torch.py",
+                     "gwgrad/adapters/jax.py", "gwgrad/adapters/cupy.py",
+                     "gwgrad/backends/__init__.py", "gwgrad/kernels/common.py",
+                     "gwgrad/interop/__init__.py", info + "METADATA"):
+        assert required in names, required
+    # setuptools >= 77 puts license files under dist-info/licenses/, older ones beside METADATA.
+    assert {info + "licenses/LICENSE", info + "LICENSE"} & set(names), \
+        "LICENSE is not in the wheel (is it missing from the repository root?)"
+    strays = [n for n in names if not n.startswith(("gwgrad/", info))]
+    assert strays == [], strays  # no benchmarks/, tools/, tests/, examples/, docs/
+    assert not [n for n in names if n.endswith((".json", ".png", ".md"))
+                and not n.startswith(info)], "result or doc files in the package"
+    assert not [n for n in names if "/bench" in n or "/results/" in n]
+    metadata_text = zipfile.ZipFile(wheel).read(info + "METADATA").decode()
+    assert f"\nVersion: {gwgrad.__version__}\n" in metadata_text
+
+
+def test_version_has_one_source():
+    from gwgrad import _version
+
+    assert gwgrad.__version__ == _version.__version__
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in config["project"] and "version" in config["project"]["dynamic"]
+    assert config["tool"]["setuptools"]["dynamic"]["version"] == {
+        "attr": "gwgrad._version.__version__"}
+    assert "__version__ = " not in (ROOT / "gwgrad" / "__init__.py").read_text()
 
 
 def test_editable_install_maps_adapters(tmp_path):

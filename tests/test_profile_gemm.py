@@ -1,4 +1,4 @@
-"""scripts/profile_gemm.py --summarize: the per-kernel table of an ncu CSV report (CPU)."""
+"""tools/profile_gemm.py --summarize: the per-kernel table of an ncu CSV report (CPU)."""
 
 import importlib.util
 from pathlib import Path
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("profile_gemm", ROOT / "scripts" /
+    spec = importlib.util.spec_from_file_location("profile_gemm", ROOT / "tools" /
                                                   "profile_gemm.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -98,7 +98,7 @@ def test_variant_methods_on_the_reference_backend():
     per-expert product."""
     import torch
 
-    from gwgrad.bench import RowInputs
+    from benchmarks.wgrad import RowInputs
 
     shape = {"name": "tiny", "hidden": 24, "intermediate": 40, "num_experts": 3,
              "tokens_sum": 48}

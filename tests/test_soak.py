@@ -1,4 +1,4 @@
-"""scripts/soak.py: its command line, and its pure parts on the CPU (specs and expected kernel
+"""tools/soak.py: its command line, and its pure parts on the CPU (specs and expected kernel
 counts, random offsets and schedules, the FP64 references -- checked against gwgrad's
 reference backend --, the result checks catching wrong results, memory and kernel checks, the
 summary); one call of every spec through gwgrad's CPU reference, verified; a short run of the
@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 
 import gwgrad.adapters.torch as gwt  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "soak.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "tools" / "soak.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
-"""`python -m gwgrad.bench.quantize`: the GPU quantizers (gwgrad.quantize) on the activations and
+"""`python -m benchmarks.quantize`: the GPU quantizers (gwgrad.quantize) on the activations and
 gradients of the MoE shapes of shapes.json (x: (tokens, hidden), dy: (tokens, intermediate),
 uniform counts, multiples of 256), every format, in one process, methods interleaved (CUDA
-events, warm-up, medians; gwgrad.bench.time_interleaved):
+events, warm-up, medians; benchmarks.wgrad.time_interleaved):
 
 * ``gwgrad:<fmt>``: one gwgrad.quantize call into preallocated outputs (data, scales, global
   scale: everything the GEMM reads, in its layout);
@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from . import DEFAULT_SHAPES, _cumsum, _error, time_methods, token_counts
+from .wgrad import DEFAULT_SHAPES, _cumsum, _error, time_methods, token_counts
 
 FORMATS = ["mxfp8", "nvfp4", "mxfp4", "per_expert_channel", "block_1x128"]
 
@@ -224,7 +224,7 @@ def markdown(rows: List[Dict]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gwgrad.bench.quantize", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.quantize", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=str(DEFAULT_SHAPES))
     p.add_argument("--rows", default="", help="comma-separated row names (default: all)")
@@ -240,7 +240,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("gwgrad.bench.quantize needs a CUDA GPU", file=sys.stderr)
+        print("benchmarks.quantize needs a CUDA GPU", file=sys.stderr)
         return 2
     shapes = json.load(open(args.shapes))["shapes"]
     wanted = [s for s in args.rows.split(",") if s]

@@ -1,7 +1,7 @@
-"""`python -m gwgrad.bench.fp8`: FP8 weight gradients on an H100/H200, on the MoE shapes of
+"""`python -m benchmarks.fp8`: FP8 weight gradients on an H100/H200, on the MoE shapes of
 shapes.json (uniform and zipf counts, multiples of 256), gwgrad's three scale recipes
 (gwgrad/scales.py) against what a Hopper user has, in one process and one interleaved
-round-robin per row (CUDA events, warm-up, medians; gwgrad.bench.time_methods):
+round-robin per row (CUDA events, warm-up, medians; benchmarks.wgrad.time_methods):
 
 * ``gwgrad_bf16``: gwgrad's BF16 kernel on the same problem (x.T M-major, dy N-major);
 * ``fp8_channel``: per-expert channel FP32 scales (torch._scaled_grouped_mm's 2D-2D form);
@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional
 
-from . import (DEFAULT_SHAPES, _cumsum, _error, _rel_err, config_name, parse_tile, time_methods,
+from .wgrad import (DEFAULT_SHAPES, _cumsum, _error, _rel_err, config_name, parse_tile, time_methods,
                token_counts)
 
 
@@ -116,7 +116,7 @@ class Fp8Row:
         return run
 
     def bf16(self) -> Callable[[], None]:
-        from . import KernelRunner
+        from .wgrad import KernelRunner
 
         return KernelRunner(self.x.t(), self.dy, self.offsets, self.ref)
 
@@ -273,14 +273,14 @@ def markdown(rows: List[Dict]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gwgrad.bench.fp8",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.fp8",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=DEFAULT_SHAPES)
     p.add_argument("--rows", default="")
     p.add_argument("--dist", default="uniform,zipf")
     p.add_argument("--tiles", default="128x128",
                    help="extra FP8 tiles timed besides the default (comma-separated MxN, or "
-                        "MxN:field=value with a tuning field, as in python -m gwgrad bench)")
+                        "MxN:field=value with a tuning field, as in python -m benchmarks.wgrad)")
     p.add_argument("--recipes", default=",".join(RECIPES),
                    help="gwgrad's FP8 recipes to time (comma-separated: channel, 1x128, mx)")
     p.add_argument("--fp8-only", action="store_true",

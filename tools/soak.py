@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Soak test of gwgrad on a GPU: many mixed calls from several threads, flat memory, one
-kernel per spec, CUDA-graph replays with new offsets (issue #13).
+kernel per spec, CUDA-graph replays with new offsets.
 
-    python scripts/soak.py                               # defaults below; ~1-2 min on an H200
-    python scripts/soak.py --calls 300 --replays 50 --json soak.json     # short (tests)
-    python scripts/soak.py --device cpu --calls 200      # the call mix on the CPU reference
+    python tools/soak.py                               # defaults below; ~1-2 min on an H200
+    python tools/soak.py --calls 300 --replays 50 --json soak.json     # short (tests)
+    python tools/soak.py --device cpu --calls 200      # the call mix on the CPU reference
 
 What it does (CUDA):
 

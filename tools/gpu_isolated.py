@@ -2,7 +2,7 @@
 """Developer tool for the GPU host: run pytest node ids one process each, in parallel, with a
 timeout, so that one kernel fault or hang cannot take the other checks down with it.
 
-    python scripts/gpu_isolated.py [--workers 12] [--timeout 120] [--budget S] [--json out.json] tests/...
+    python tools/gpu_isolated.py [--workers 12] [--timeout 120] [--budget S] [--json out.json] tests/...
 
 ``--budget``: seconds for the whole run; tests not started by then are reported "not run",
 and a test's timeout never reaches past it. The JSON is rewritten after every test, so an

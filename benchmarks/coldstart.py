@@ -1,4 +1,4 @@
-"""`python -m gwgrad.bench.coldstart --json out.json`: how long a new process waits for its
+"""`python -m benchmarks.coldstart --json out.json`: how long a new process waits for its
 first gwgrad result.
 
 Each measurement is a child process (``sys.executable -c <script>``) that first imports torch
@@ -117,7 +117,7 @@ def child_env(cache_dir: str, dsl_cache_dir: Optional[str] = None,
     env["GWGRAD_CACHE_DIR"] = cache_dir
     if dsl_cache_dir:
         env["CUTE_DSL_CACHE_DIR"] = dsl_cache_dir
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if root not in paths:
         env["PYTHONPATH"] = os.pathsep.join([root] + paths)
@@ -200,7 +200,7 @@ def format_report(report: Dict) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gwgrad.bench.coldstart",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.coldstart",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default="coldstart.json")
     ap.add_argument("--warm-runs", type=int, default=2)

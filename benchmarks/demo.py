@@ -10,10 +10,10 @@ import time
 
 import numpy as np
 
-from ..api import grouped_gemm_wgrad
-from ..backends.reference import decode, round_to_bfloat16_bits
-from ..dtypes import DType
-from ..tensors import from_pointer
+from gwgrad.api import grouped_gemm_wgrad
+from gwgrad.backends.reference import decode, round_to_bfloat16_bits
+from gwgrad.dtypes import DType
+from gwgrad.tensors import from_pointer
 
 
 def _loop_reference(a: np.ndarray, b: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -57,3 +57,7 @@ def cpu_demo(hidden: int = 256, intermediate: int = 384, num_experts: int = 8,
               f"hidden={hidden} intermediate={intermediate}: rel. error {err:.1e} vs NumPy loop, "
               f"{seconds * 1e3:.0f} ms  {'OK' if good else 'MISMATCH'}")
     return ok
+
+
+if __name__ == "__main__":
+    raise SystemExit(0 if cpu_demo() else 1)

@@ -1,12 +1,12 @@
-"""Steady-state time, SM clock and energy per call (issue #12): on the H200 these GEMMs run at
-the 700 W power limit (session 16), so a kernel's time follows its energy per call, and a
+"""Steady-state time, SM clock and energy per call: on the H200 these GEMMs run at the 700 W
+power limit, so a kernel's time follows its energy per call, and a
 single cold call (ncu) does not rank tilings the way back-to-back calls at the limit do.
 
 Per row, each method (gwgrad's default, the --tiles variants, dense cuBLAS of equal FLOPs)
 runs back to back for --window seconds, the methods taking turns (round_order) for --reps
 rounds, while ``nvidia-smi`` samples the GPU every --sample-ms: the energy counter, the
-instantaneous power and the SM clock, where the driver reports them (the H200's of session 17
-took only ``power.draw``, which recent drivers average over about a second: a window's W then
+instantaneous power and the SM clock, where the driver reports them (some drivers take only
+``power.draw``, which recent drivers average over about a second: a window's W then
 lags by up to that; ms, from CUDA events, does not). A window's figures come from the samples inside it
 after its first --settle seconds (the clock and power settling at the limit):
 
@@ -17,9 +17,9 @@ after its first --settle seconds (the clock and power settling at the limit):
     J/call   W x ms / 1000           Mcyc     ms x MHz / 1000 (clock cycles per call)
     pJ/FLOP  J/call / the row's FLOPs
 
-    python scripts/energy_bench.py --rows dsv3-fc1 --dist uniform \\
+    python tools/energy_bench.py --rows dsv3-fc1 --dist uniform \\
         --tiles 128x128:cluster=1x2,128x256:cluster=2x1 --json $OUT/energy.json
-    bash scripts/gpu_run.sh energy     (GWGRAD_ENERGY_ROWS / _DISTS / _TILES)
+    bash tools/gpu_run.sh energy     (GWGRAD_ENERGY_ROWS / _DISTS / _TILES)
 
 --mix times each method followed by the row's dense GEMM, the two as one step: a mix where
 another GEMM shares the power budget, as in a training step (is a method's energy or its
@@ -227,8 +227,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     import torch
 
-    from gwgrad.bench import (DEFAULT_SHAPES, CopyBuffers, RowInputs, build_methods, new_row,
-                              parse_tile, round_order, select_shapes)
+    from benchmarks.wgrad import (DEFAULT_SHAPES, CopyBuffers, RowInputs, build_methods,
+                                  new_row, parse_tile, round_order, select_shapes)
 
     args = parse_args(argv)
     configs = [parse_tile(t) for t in args.tiles.split(",") if t]

@@ -1,5 +1,5 @@
-"""`python -m gwgrad bench`: gwgrad against what an H100/H200 user has today, on the MoE shapes
-of shared/bench/shapes.json (a copy ships as gwgrad/bench/shapes.json).
+"""`python -m benchmarks.wgrad` (or `python -m gwgrad bench`): gwgrad against what an H100/H200
+user has today, on the MoE shapes of benchmarks/shapes.json.
 
 Every row times, in one process, on the same inputs (x.T as M-major A, dy as N-major B, BF16
 output) and in one interleaved round-robin (``time_interleaved``: CUDA events, warm-up,
@@ -142,11 +142,11 @@ def williams_rows(n: int) -> List[List[int]]:
 def round_order(names: List[str], r: int) -> List[str]:
     """The methods' order in round ``r``: row r of a Williams design (williams_rows), so that
     over the rounds every method takes every position, and follows every other method,
-    equally often. A fixed order let the position bias a method's time by a few percent on
+    equally often. A fixed order lets the position bias a method's time by a few percent on
     the H200 (the first sample of a round follows the round's synchronize); rotating it
-    (session 5 to 11) balanced the positions but gave each method the same predecessor in
-    every round, which biased it by up to 13-25% when that predecessor drew more power (an
-    MXFP8 kernel after a tensor-bound FP8 one, docs/PERF_NOTES.md session 12)."""
+    balances the positions but gives each method the same predecessor in every round, which
+    biases it by up to 13-25% when that predecessor draws more power (an MXFP8 kernel after a
+    tensor-bound FP8 one)."""
     rows = williams_rows(len(names))
     return [names[i] for i in rows[r % len(rows)]]
 
@@ -821,8 +821,8 @@ def config_name(cfg: Tuple) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gwgrad bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="shapes JSON (default: bundled copy)")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.wgrad", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="shapes JSON (default: benchmarks/shapes.json)")
     p.add_argument("--rows", default="", help="comma-separated shape names (default: all)")
     p.add_argument("--dist", default="uniform,zipf")
     p.add_argument("--tiles", default="128x256,128x128",

@@ -1,8 +1,8 @@
-"""`python -m gwgrad.bench.blockscaled`: block-scaled weight gradients (MXFP8, NVFP4, MXFP4) on an
-SM100-family (Blackwell, compute capability 10.x) GPU, on every MoE shape of shapes.json (the
-packaged copy of shared/bench/shapes.json; ``--shapes`` for another), uniform and zipf counts
-rounded to multiples of 256, in one process and one interleaved round-robin per row (CUDA
-events, warm-up, medians; gwgrad.bench.time_methods):
+"""`python -m benchmarks.blockscaled`: block-scaled weight gradients (MXFP8, NVFP4, MXFP4) on an
+SM100-family (Blackwell, compute capability 10.x) GPU, on every MoE shape of
+benchmarks/shapes.json (``--shapes`` for another), uniform and zipf counts rounded to
+multiples of 256, in one process and one interleaved round-robin per row (CUDA
+events, warm-up, medians; benchmarks.wgrad.time_methods):
 
 * ``gwgrad_<fmt>``: gwgrad's block-scaled kernel through its launch plan (plan_for + launch,
   preallocated workspace: the kernel's own time), BF16 output, at the default tiling and at
@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import (DEFAULT_SHAPES, CopyBuffers, KernelRunner, _cumsum, _error, _write,
+from .wgrad import (DEFAULT_SHAPES, CopyBuffers, KernelRunner, _cumsum, _error, _write,
                record_times, roofline_fraction, select_shapes, time_methods, token_counts)
 
 #: Counts are rounded to this (so that torch._scaled_grouped_mm and every format accept them).
@@ -48,7 +48,7 @@ TARGET_TEXT = ("MXFP8 >= 2.4 PFLOP/s and NVFP4 >= 4.0 PFLOP/s on the shapes with
 CHECK_TOLERANCE = 1e-2
 #: Rows and columns of each spot-checked expert block.
 CHECK_BLOCK = 256
-NEEDS_SM100 = ("python -m gwgrad.bench.blockscaled needs an SM100-family GPU (Blackwell: B200, "
+NEEDS_SM100 = ("python -m benchmarks.blockscaled needs an SM100-family GPU (Blackwell: B200, "
                "GB200, B300; compute capability 10.x)")
 
 
@@ -648,15 +648,15 @@ def summary(rows: List[Dict]) -> Dict:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m gwgrad.bench.blockscaled",
+        prog="python -m benchmarks.blockscaled",
         description=("Block-scaled grouped weight gradients (MXFP8, NVFP4, MXFP4) on an "
                      "SM100-family GPU (Blackwell, compute capability 10.x): gwgrad against "
                      "torch._scaled_grouped_mm MXFP8 2D-2D, gwgrad BF16, dense torch._scaled_mm "
                      "and a device-to-device copy, on every row of shapes.json with uniform and "
                      "zipf counts rounded to 256; methods interleaved, CUDA events, medians. "
                      "Exits with status 2 without an SM100 GPU. Targets: " + TARGET_TEXT + "."))
-    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="shapes JSON (default: the packaged "
-                   "copy of shared/bench/shapes.json)")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="shapes JSON (default: "
+                   "benchmarks/shapes.json)")
     p.add_argument("--rows", default="", help="comma-separated shape names (default: all)")
     p.add_argument("--dist", default="uniform,zipf", help="token distributions (uniform, zipf)")
     p.add_argument("--formats", default="mxfp8,nvfp4,mxfp4",

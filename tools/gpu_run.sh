@@ -5,18 +5,16 @@
 # GWGRAD_RUN_BUDGET_S seconds (default 570: within a 10-minute call; a step gets at most what is
 # left, and is skipped below 15 s).
 #
-# Usage: bash scripts/gpu_run.sh [steps...]
+# Usage: bash tools/gpu_run.sh [steps...]
 #   default steps, in this order: tests overhead coldstart bench
 #   also: accumulate (bench into FP32 outputs, the main-grad path), tune (gwgrad variants
 #   alone), examples, unrounded (bench with counts not rounded to 256), adapters (kernel time
-#   per adapter), fp8 (bench/fp8.py: the FP8 recipes), qtests (the quantizers' GPU tests),
-#   qbench (bench/quantize.py), fuzz (tests/test_fuzz_gpu.py), sanitize (scripts/sanitize.py),
-#   soak (scripts/soak.py), overlap (scripts/overlap_stall.py: gwgrad beside held SMs),
-#   reliability (the main-grad layer, short soak and two-GPU tests),
-#   ncu (scripts/profile_gemm.py under Nsight Compute: gwgrad vs dense cuBLAS per row),
-#   zerocost (scripts/zero_fill_cost.py: the empty experts' zeros' cost, an A/B against a
-#   copy that writes none), energy (scripts/energy_bench.py: steady-state ms, clock and J per
-#   call); these are not in the default run's budget.
+#   per adapter), fp8 (benchmarks/fp8.py: the FP8 recipes), qtests (the quantizers' GPU tests),
+#   qbench (benchmarks/quantize.py), fuzz (tests/test_fuzz_gpu.py), sanitize (tools/sanitize.py),
+#   soak (tools/soak.py), reliability (the main-grad layer, short soak and two-GPU tests),
+#   ncu (tools/profile_gemm.py under Nsight Compute: gwgrad vs dense cuBLAS per row),
+#   energy (tools/energy_bench.py: steady-state ms, clock and J per call); these are not in
+#   the default run's budget.
 #
 # Files under $OUT (default /tmp/gwgrad-out; at most 6, one folder): run.log (every step's
 # full output), overhead.json, coldstart.json, bench.json, bench.png, isolated.json
@@ -68,14 +66,14 @@ for s in $steps; do
   case $s in
     overhead)
       step overhead 110 || continue
-      capture "$PY" -m gwgrad.bench.adapters --skip-kernel --step-timeout 30 \
+      capture "$PY" -m benchmarks.adapters --skip-kernel --step-timeout 30 \
         --json "$OUT/overhead.json"
       sed -n '/^host overhead per cached call/,$p' "$OUT/step.txt" | head -24
       [ $rc -eq 0 ] || tail -5 "$OUT/step.txt"
       done_step overhead $rc ;;
     coldstart)
       step coldstart 100 || continue
-      capture "$PY" -m gwgrad.bench.coldstart --timeout $(( (T - 5) / 2 )) \
+      capture "$PY" -m benchmarks.coldstart --timeout $(( (T - 5) / 2 )) \
         --json "$OUT/coldstart.json"
       tail -8 "$OUT/step.txt"
       done_step coldstart $rc ;;
@@ -106,7 +104,7 @@ for s in $steps; do
       done_step tune $rc ;;
     accumulate)
       # The main-grad path: gwgrad accumulating into FP32 vs torch._grouped_mm + add_, and the
-      # HBM roofline on every row (issue #12's FP32 table); same variables as bench.
+      # HBM roofline on every row (the FP32 table); same variables as bench.
       step accumulate 220 || continue
       capture "$PY" -m gwgrad bench --accumulate --tiles "${GWGRAD_BENCH_TILES-}" \
         --rows "${GWGRAD_BENCH_ROWS-}" --rounds ${GWGRAD_BENCH_ROUNDS:-20} \
@@ -116,10 +114,10 @@ for s in $steps; do
       [ $rc -eq 0 ] || tail -5 "$OUT/step.txt"
       done_step accumulate $rc ;;
     tests)
-      # The whole default set takes ~240 s with 14 workers (session 6: 199 tests); the cap is
-      # GWGRAD_TESTS_CAP (default 280 s), tests not started by then are reported "not run".
+      # The whole default set takes ~240 s with 14 workers; the cap is GWGRAD_TESTS_CAP
+      # (default 280 s), tests not started by then are reported "not run".
       step tests ${GWGRAD_TESTS_CAP:-280} || continue
-      capture "$PY" scripts/gpu_isolated.py --workers 14 --timeout 150 --budget $((T - 8)) \
+      capture "$PY" tools/gpu_isolated.py --workers 14 --timeout 150 --budget $((T - 8)) \
         --json "$OUT/isolated.json" $TESTS
       grep -E "^(fail|TIMEOUT|missing)|^summary" "$OUT/step.txt" | tail -14
       done_step tests $rc ;;
@@ -136,13 +134,13 @@ for s in $steps; do
       done_step unrounded $rc ;;
     adapters)
       step adapters 300 || continue
-      capture "$PY" -m gwgrad.bench.adapters --dist uniform --skip-overhead --step-timeout 120 \
+      capture "$PY" -m benchmarks.adapters --dist uniform --skip-overhead --step-timeout 120 \
         --json "$OUT/bench_adapters.json"; tail -20 "$OUT/step.txt"
       done_step adapters $rc ;;
     fp8)
-      # FP8 recipes vs torch._scaled_grouped_mm, dense FP8 and gwgrad BF16 (bench/fp8.py).
+      # FP8 recipes vs torch._scaled_grouped_mm, dense FP8 and gwgrad BF16 (benchmarks/fp8.py).
       step fp8 300 || continue
-      capture "$PY" -m gwgrad.bench.fp8 --tiles "${GWGRAD_FP8_TILES-128x128}" \
+      capture "$PY" -m benchmarks.fp8 --tiles "${GWGRAD_FP8_TILES-128x128}" \
         --rows "${GWGRAD_FP8_ROWS-}" --rounds ${GWGRAD_BENCH_ROUNDS:-10} \
         --time-budget $((T > 90 ? T - 60 : T / 2)) --json "$OUT/bench_fp8.json"
       tail -20 "$OUT/step.txt"
@@ -155,9 +153,9 @@ for s in $steps; do
       tail -25 "$OUT/step.txt"
       done_step qtests $rc ;;
     qbench)
-      # bench/quantize.py: every format on the shapes' x and dy vs torch ops and a copy.
+      # benchmarks/quantize.py: every format on the shapes' x and dy vs torch ops and a copy.
       step qbench 300 || continue
-      capture "$PY" -m gwgrad.bench.quantize --rows "${GWGRAD_Q_ROWS-}" \
+      capture "$PY" -m benchmarks.quantize --rows "${GWGRAD_Q_ROWS-}" \
         --rounds ${GWGRAD_BENCH_ROUNDS:-10} --markdown --step \
         --time-budget $((T > 90 ? T - 60 : T / 2)) --json "$OUT/bench_quantize.json"
       tail -40 "$OUT/step.txt"
@@ -170,20 +168,20 @@ for s in $steps; do
       grep -E "^fuzz:|passed|failed|error" "$OUT/step.txt" | tail -8
       done_step fuzz $rc ;;
     sanitize)
-      # scripts/sanitize.py: compute-sanitizer memcheck / racecheck / synccheck over the kernels.
+      # tools/sanitize.py: compute-sanitizer memcheck / racecheck / synccheck over the kernels.
       step sanitize 330 || continue
-      capture "$PY" scripts/sanitize.py --json "$OUT/sanitize.json" ${GWGRAD_SANITIZE_ARGS-}
+      capture "$PY" tools/sanitize.py --json "$OUT/sanitize.json" ${GWGRAD_SANITIZE_ARGS-}
       tail -20 "$OUT/step.txt"
       done_step sanitize $rc ;;
     ncu)
-      # scripts/profile_gemm.py under Nsight Compute: per row gwgrad's kernels and the dense
+      # tools/profile_gemm.py under Nsight Compute: per row gwgrad's kernels and the dense
       # cuBLAS GEMM of equal FLOPs (SpeedOfLight, + the tensor pipe's active share: on the
       # H200's ncu, sm__pipe_tensor_cycles_active counts HGMMA; added where ncu lists it).
       # GWGRAD_NCU_ROWS, GWGRAD_NCU_DISTS (default uniform; e.g. uniform,zipf),
       # GWGRAD_NCU_ACCUMULATE=1: which calls are profiled; GWGRAD_NCU_TILES: gwgrad variants
       # beside the default (the bench's --tiles syntax). GWGRAD_NCU_STALLS=1: also every
-      # per-reason warp stall metric ncu lists (the summary prints the largest; session 12's
-      # WarpStateStats section alone had no per-reason figures). GWGRAD_NCU_EXTRA: more ncu
+      # per-reason warp stall metric ncu lists (the summary prints the largest; the
+      # WarpStateStats section alone has no per-reason figures). GWGRAD_NCU_EXTRA: more ncu
       # arguments.
       step ncu 240 || continue
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
@@ -198,51 +196,37 @@ for s in $steps; do
       fi
       capture "$NCU" --clock-control none --nvtx --nvtx-include "prof/" --section SpeedOfLight \
         $METRICS ${GWGRAD_NCU_EXTRA-} --csv --page details --log-file "$OUT/ncu.csv" \
-        "$PY" scripts/profile_gemm.py \
+        "$PY" tools/profile_gemm.py \
         --rows "${GWGRAD_NCU_ROWS:-dsv3-fc1,qwen3-30b-fc1,qwen3-30b-fc2,gptoss-fc1,dsv2lite-fc1,fine-256e}" \
         --dists "${GWGRAD_NCU_DISTS:-uniform}" ${GWGRAD_NCU_ACCUMULATE:+--accumulate} \
         --tiles "${GWGRAD_NCU_TILES-}"
       cat "$OUT/step.txt"
-      "$PY" scripts/profile_gemm.py --summarize "$OUT/ncu.csv" | tee "$OUT/ncu_summary.txt"
+      "$PY" tools/profile_gemm.py --summarize "$OUT/ncu.csv" | tee "$OUT/ncu_summary.txt"
       done_step ncu $rc ;;
-    zerocost)
-      # The zipf rows against a copy of this checkout whose zero warps write nothing
-      # (session 15); GWGRAD_ZEROCOST_REPS runs of each (default 2).
-      step zerocost 240 || continue
-      capture "$PY" scripts/zero_fill_cost.py --reps ${GWGRAD_ZEROCOST_REPS:-2} \
-        --json "$OUT/zero_fill_cost.json"
-      tail -8 "$OUT/step.txt"
-      done_step zerocost $rc ;;
     energy)
-      # scripts/energy_bench.py: steady-state ms, SM clock, power and J per call of gwgrad's
+      # tools/energy_bench.py: steady-state ms, SM clock, power and J per call of gwgrad's
       # variants and dense cuBLAS (nvidia-smi sampled). GWGRAD_ENERGY_ROWS / _DISTS / _TILES.
       step energy 300 || continue
-      capture "$PY" scripts/energy_bench.py --rows "${GWGRAD_ENERGY_ROWS:-dsv3-fc1,gptoss-fc1}" \
+      capture "$PY" tools/energy_bench.py --rows "${GWGRAD_ENERGY_ROWS:-dsv3-fc1,gptoss-fc1}" \
         --dist "${GWGRAD_ENERGY_DISTS:-uniform}" --tiles "${GWGRAD_ENERGY_TILES-}" \
         --json "$OUT/energy.json"
       grep -v "^nvidia-smi fields" "$OUT/step.txt" | tail -40
       done_step energy $rc ;;
-    overlap)
-      # scripts/overlap_stall.py: gwgrad beside a kernel that holds some SMs (one launch / two).
-      step overlap 120 || continue
-      capture "$PY" scripts/overlap_stall.py --json "$OUT/overlap.json"
-      tail -12 "$OUT/step.txt"
-      done_step overlap $rc ;;
     soak)
-      # scripts/soak.py: mixed calls over threads and streams, memory, compiles, graph replays.
+      # tools/soak.py: mixed calls over threads and streams, memory, compiles, graph replays.
       step soak 240 || continue
-      capture "$PY" scripts/soak.py --json "$OUT/soak.json" ${GWGRAD_SOAK_ARGS-}
+      capture "$PY" tools/soak.py --json "$OUT/soak.json" ${GWGRAD_SOAK_ARGS-}
       tail -20 "$OUT/step.txt"
       done_step soak $rc ;;
     reliability)
-      # The GPU tests of #13's pieces: the main-grad layer, the short soak, two-GPU expert
+      # The reliability GPU tests: the main-grad layer, the short soak, two-GPU expert
       # parallelism (skips with one GPU).
       step reliability 300 || continue
       capture "$PY" -m pytest -q -rs -rP -p no:cacheprovider tests/test_grouped_linear_gpu.py \
         tests/test_soak.py tests/test_expert_parallel_gpu.py ${GWGRAD_RELIABILITY_EXTRA-}
       grep -E "PASS|FAIL|passed|failed|error|max relative" "$OUT/step.txt" | tail -30
       done_step reliability $rc ;;
-    *) say "unknown step: $s (steps: overhead coldstart bench tests examples unrounded adapters fp8 qtests qbench fuzz sanitize soak reliability ncu zerocost energy)" ;;
+    *) say "unknown step: $s (steps: overhead coldstart bench tests examples unrounded adapters fp8 qtests qbench fuzz sanitize soak reliability ncu energy)" ;;
   esac
 done
 rm -f "$OUT/step.txt" "$OUT"/*.tmp

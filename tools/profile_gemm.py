@@ -1,4 +1,4 @@
-"""Profile target for ncu (issue #12): per shape row, gwgrad's GEMM (adapter path, default
+"""Profile target for ncu: per shape row, gwgrad's GEMM (adapter path, default
 tiling; bf16 output, or FP32 accumulate with --accumulate) and the dense cuBLAS GEMM of equal
 FLOPs, each call inside an NVTX range ``prof`` (printed in launch order). Warm-up (compiles, cuBLAS
 heuristics) runs outside every range, so ncu sees exactly one call of each method per row.
@@ -7,10 +7,10 @@ dense FP8 ``torch._scaled_mm`` of equal FLOPs instead.
 
     ncu --clock-control none --nvtx --nvtx-include "prof/" --section SpeedOfLight \\
         --csv --page details --log-file ncu.csv \\
-        python scripts/profile_gemm.py --rows dsv3-fc1,fine-256e --dists uniform
-    python scripts/profile_gemm.py --summarize ncu.csv
+        python tools/profile_gemm.py --rows dsv3-fc1,fine-256e --dists uniform
+    python tools/profile_gemm.py --summarize ncu.csv
 
-``bash scripts/gpu_run.sh ncu`` runs it on the rows below the dense ceiling and the two
+``bash tools/gpu_run.sh ncu`` runs it on the rows below the dense ceiling and the two
 small-expert rows (GWGRAD_NCU_ROWS / GWGRAD_NCU_DISTS / GWGRAD_NCU_ACCUMULATE change that) and keeps the CSV
 and a per-kernel summary (duration, SM / DRAM throughput, tensor-pipe share, SM clock,
 duration in clock cycles; with GWGRAD_NCU_STALLS=1 also the largest warp stall reasons)
@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from gwgrad.bench import (DEFAULT_SHAPES, RowInputs, config_name, parse_tile,  # noqa: E402
-                          select_shapes)
+from benchmarks.wgrad import (DEFAULT_SHAPES, RowInputs, config_name, parse_tile,  # noqa: E402
+                              select_shapes)
 
 
 # ncu --csv --page details metric names -> summary columns (unit-normalized below)
@@ -88,7 +88,7 @@ def summarize(path: str) -> str:
                 k[METRICS[metric]] = value
     # The SM clock (ncu --clock-control none leaves it to the GPU's power management) and
     # the duration in clock cycles: a kernel that needs as many cycles as another but runs
-    # at a lower clock loses to power, not to its schedule (session 16).
+    # at a lower clock loses to power, not to its schedule.
     for k in kernels.values():
         if "us" in k and "ghz" in k:
             k["Mcyc"] = k["us"] * k["ghz"] / 1e3
@@ -143,7 +143,7 @@ def main() -> int:
     for shape in select_shapes(args.shapes, args.rows):
         for dist in args.dists.split(","):
             if args.fp8:
-                from gwgrad.bench.fp8 import Fp8Row
+                from benchmarks.fp8 import Fp8Row
 
                 inp = Fp8Row(shape, dist)
                 methods = {f"fp8_{r}": inp.runner(r) for r in args.fp8.split(",")}

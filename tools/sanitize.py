@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Run NVIDIA compute-sanitizer (memcheck, racecheck, synccheck; initcheck on request) over a
-representative set of small gwgrad calls (issue #13), and check every result against float64.
+representative set of small gwgrad calls, and check every result against float64.
 
 The cases (``--list`` prints them; building them needs no GPU):
 
@@ -26,12 +26,12 @@ several units: the shared-memory rings wrap, the pingpong warp groups alternate,
 ring and the epilogue buffers are reused. The baseline runs the natural grid (as does
 tests/test_fuzz_gpu.py, on problems of up to 512 experts).
 
-Design: ``python scripts/sanitize.py`` (the parent, which never touches CUDA itself) first runs
+Design: ``python tools/sanitize.py`` (the parent, which never touches CUDA itself) first runs
 every case WITHOUT the sanitizer in ``--jobs`` child processes: that compiles each kernel once
 into a shared disk cache (``GWGRAD_CACHE_DIR``: a temporary directory, or ``--cache-dir``) and
 checks every result (the "baseline" row). Then, for each tool, it runs
 ``compute-sanitizer --tool T --error-exitcode 1 --report-api-errors no [--racecheck-report
-all] python scripts/sanitize.py --child --cases <batch>`` over batches of cases (children in
+all] python tools/sanitize.py --child --cases <batch>`` over batches of cases (children in
 parallel, ``--jobs``), which load the cached kernels without compiling. (CUDA API errors are
 not counted by default: torch and the CUDA libraries probe calls whose failure they expect,
 and a failing call of gwgrad's raises in Python and fails its case; ``--api-errors`` counts
@@ -43,10 +43,10 @@ displayed (E errors, W warnings)"), attributes findings to cases through the chi
 BEGIN / END markers (best effort), requires every child to reach its DONE marker, prints a
 table and writes ``--json PATH``: per tool, its cases, errors, failed checks, seconds, children.
 
-    python scripts/sanitize.py --list
-    python scripts/sanitize.py --json sanitize.json              # default tools, ~3-4 min (H200)
-    python scripts/sanitize.py --tools memcheck,initcheck --cases 'fp8_*' --timeout 300
-    python scripts/sanitize.py --child --cases bf16_pp_128x128 [--device cpu]   # one child
+    python tools/sanitize.py --list
+    python tools/sanitize.py --json sanitize.json              # default tools, ~3-4 min (H200)
+    python tools/sanitize.py --tools memcheck,initcheck --cases 'fp8_*' --timeout 300
+    python tools/sanitize.py --child --cases bf16_pp_128x128 [--device cpu]   # one child
 
 ``--device cpu`` (children only, or the whole flow with a stand-in sanitizer) runs the cases
 on CPU tensors, i.e. gwgrad's reference backend: a dry run of the harness that needs no GPU

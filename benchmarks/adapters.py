@@ -1,4 +1,4 @@
-"""`python -m gwgrad.bench.adapters --json out.json`: the framework adapters on a GPU.
+"""`python -m benchmarks.adapters --json out.json`: the framework adapters on a GPU.
 
 Three tables, each step guarded (an error or a missing framework is recorded, never fatal):
 
@@ -43,7 +43,7 @@ from typing import Callable, Dict, List, Optional
 # JAX shares the GPU with torch and CuPy here: no 75% preallocation.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from . import (DEFAULT_SHAPES, OFFSETS_POOL, KernelRunner, time_interleaved,  # noqa: E402
+from .wgrad import (DEFAULT_SHAPES, OFFSETS_POOL, KernelRunner, time_interleaved,  # noqa: E402
                 token_counts)
 
 
@@ -301,7 +301,7 @@ OVERHEAD_DEADLINE_S = 100
 #: Targets per cached call (us): the contract's wrapper, and the adapters.
 OVERHEAD_TARGETS_US = {"wrapper": 20.0, "adapters": 15.0}
 #: Which target each entry of the overhead table answers to (the others are references; the
-#: jitted JAX call is measured and reported, without a target, as issue #8 asks).
+#: jitted JAX call is measured and reported, without a target).
 OVERHEAD_TARGET_OF = {"wrapper": "wrapper", "class_execute": "wrapper",
                       "torch_wgrad_out": "adapters", "torch_wgrad_alloc": "adapters",
                       "torch_op_into": "adapters", "cupy_wgrad_out": "adapters"}
@@ -578,7 +578,7 @@ def format_tables(results: Dict) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gwgrad.bench.adapters",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.adapters",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default="bench_adapters.json", help="where to write results")
     parser.add_argument("--shapes", default=DEFAULT_SHAPES)

@@ -8,8 +8,8 @@ columns beside them. Figures in prose (ranges, geomeans, times) are ``claims()``
 the same files; in the documents' measured sections every figure with a unit must be one.
 
 Also checked: at most ``MAX_RESULT_FILES`` files in docs/results/, each named in
-docs/PERFORMANCE.md, every file named there present, each table's run line (file, GPU, driver,
-commit, date, re-run command), and the documents' line limits.
+docs/PERFORMANCE.md, every file named there present, each table's run statement (file, GPU,
+driver, commit, date, re-run command), and the documents' line limits.
 
 ``python tests/test_docs.py`` prints every table and claim as the documents should hold them.
 """
@@ -88,11 +88,10 @@ def geomean(values: Sequence[float]) -> float:
 
 def by_shape(rows) -> List[Tuple[dict, dict]]:
     """(uniform, zipf) pairs of rows, in the file's order of shapes."""
-    key = "name" if "name" in rows[0] else "shape"
     pairs = []
     for r in rows:
-        if r.get("dist", "uniform") == "uniform":
-            z = next(z for z in rows if z[key] == r[key] and z["dist"] == "zipf")
+        if r["dist"] == "uniform":
+            z = next(z for z in rows if z["name"] == r["name"] and z["dist"] == "zipf")
             pairs.append((r, z))
     return pairs
 
@@ -479,13 +478,13 @@ NOT_MEASURED = ("700 W",)
 
 
 def paragraphs(text: str) -> List[str]:
-    """The prose paragraphs of a text, each on one line: no tables, table markers, run
-    paragraphs (provenance: file, versions, commit, command) or code blocks."""
+    """The prose paragraphs of a text, each on one line: no tables, table markers or code
+    blocks."""
     text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
     kept = []
     for para in re.split(r"\n\s*\n", text):
         para = para.strip()
-        if para and not para.startswith(("|", "<!--", "Run:", "Runs:")):
+        if para and not para.startswith(("|", "<!--")):
             kept.append(" ".join(para.split()))
     return kept
 
@@ -529,15 +528,14 @@ def test_every_performance_table_is_checked():
 
 
 def test_every_table_states_its_run():
-    """Each marked table of PERFORMANCE.md has, in its section, a run paragraph naming its file,
+    """Each marked table of PERFORMANCE.md has, in its section, a run statement naming its file,
     the GPU, the driver, the commit and date, and the command that re-runs it."""
     for title, body in sections(PERFORMANCE.read_text()).items():
         runs = re.findall(r"Run: `([\w.-]+)`, NVIDIA H200, driver [\d.]+[^;]*; commit "
                           r"[0-9a-f]{7,40}, \d{4}-\d{2}-\d{2}\. Re-run: `[^`]+`",
                           " ".join(body.split()))
-        for name, (source, _, _) in marked_tables(body).items():
-            if name != "verification":
-                assert source in runs, f"section {title}: no run paragraph for {source}"
+        for source, _, _ in marked_tables(body).values():
+            assert source in runs, f"section {title}: no run paragraph for {source}"
 
 
 @pytest.mark.parametrize("path", [README, PERFORMANCE], ids=lambda p: p.name)

@@ -61,7 +61,7 @@ def test_clock_and_cycles(tmp_path):
 
 
 def test_a_stored_report():
-    lines = load().summarize(str(ROOT / "docs/results/h200_ncu_bf16_b.csv")).splitlines()
+    lines = load().summarize(str(ROOT / "tests/data/ncu_report_h200.csv")).splitlines()
     assert len(lines) == 7  # header + prep, GEMM, cuBLAS for two rows
     gemm = lines[2].split()
     assert "Sm90Grou" in gemm[1] and float(gemm[2]) == pytest.approx(1145.0, abs=0.1)

@@ -109,10 +109,10 @@ def test_the_cpu_reference_takes_the_epi_buffer_sets_a_gpu_kernel_runs(tile, set
 @pytest.mark.parametrize("hidden,intermediate,tile,want", [
     (7168, 4096, (128, 128), 2),  # dsv3-fc1: 1792 128x128 tiles per expert, pingpong
     (2880, 5760, (128, 128), 2),  # gptoss-fc1: 1035
-    (7168, 4096, None, 1),        # their default since session 17: a 2x1 pair of 128x256
+    (7168, 4096, None, 1),        # their default: a 2x1 pair of 128x256
     (2048, 7168, None, 1),        # dsv3-fc2: 896
     (2048, 1536, None, 1),        # qwen3-30b-fc1: 192
-    (4096, 28672, None, 1),       # mixtral-fc1: 7168, the cooperative 128x256 (session 18)
+    (4096, 28672, None, 1),       # mixtral-fc1: 7168, the cooperative 128x256
     (768, 2048, None, 1),         # qwen3-30b-fc2: 96, a 1x2 pair of pingpong CTAs, < 1024
     (4096, 28672, (128, 256), 1),  # the cooperative 128x256 tile on a large output: one set
     (1536, 1024, (128, 256), 2),  # ... on <= 128 tiles per expert (fine-256e): a set per group
@@ -125,7 +125,7 @@ def test_the_sm90_default_epilogue_buffer_sets_follow_the_output_size(hidden, in
                                                                       tile, want):
     """SM90 BF16: a set of epilogue buffers per consumer group for 16-bit outputs of >= 1024
     128x128 tiles per expert with pingpong tiles, of <= 128 with cooperative 128-row tiles
-    (measured: docs/PERF_NOTES.md); a value the caller set stays."""
+    (docs/PERFORMANCE.md, defaults and why); a value the caller set stays."""
     pytest.importorskip("cutlass")
     import dataclasses
 
@@ -165,8 +165,8 @@ def test_the_sm90_default_epilogue_buffer_sets_follow_the_output_size(hidden, in
 def test_the_sm90_tiling_for_short_experts(hidden, intermediate, experts, tokens, out, want):
     """SM90 BF16: outputs of <= 128 128x128 tiles per expert with <= 384 tokens per expert on
     average take the cooperative 128x256 tile (16-bit outputs; a 2x1 pair of them where the
-    pair fits the rows, session 18) or a 1x2 cluster (FP32 outputs of more than one
-    128-column tile) (measured: docs/PERF_NOTES.md); a tiling the caller set stays, and the
+    pair fits the rows) or a 1x2 cluster (FP32 outputs of more than one 128-column tile)
+    (docs/PERFORMANCE.md, defaults and why); a tiling the caller set stays, and the
     other backends keep their defaults."""
     pytest.importorskip("cutlass")
     from gwgrad.backends import finalize_spec
@@ -308,9 +308,9 @@ def test_fp8_sm90_default_tiling(recipe, intermediate, tile, tokens_per_expert):
     # 16-bit outputs: 1x2 pairs below 1024 output tiles per expert, balanced
     (768, 2048, 128, 131072, "bfloat16", False, (128, 128), (1, 2), 3),  # qwen3-30b-fc2
     (2048, 2816, 64, 32768, "bfloat16", False, (128, 128), (1, 2), 3),  # dsv2lite-fc1
-    # from 4096 tiles the cooperative 128x256 tile, dynamic (session 18, by energy)
+    # from 4096 tiles the cooperative 128x256 tile, dynamic (chosen by energy at the power cap)
     (4096, 28672, 8, 32768, "bfloat16", False, (128, 256), (1, 1), 1),  # mixtral-fc1
-    # in between (1024-4095 tiles): 2x1 pairs of 128x256 (session 17, by energy), balanced
+    # in between (1024-4095 tiles): 2x1 pairs of 128x256 (by energy), balanced
     (7168, 4096, 32, 65536, "bfloat16", False, (128, 256), (2, 1), 3),  # dsv3-fc1: 1792 tiles
     (2880, 5760, 32, 65536, "float16", False, (128, 256), (2, 1), 3),  # gptoss-fc1: 23 rows
     (640, 32768, 8, 65536, "bfloat16", False, (128, 128), (1, 1), 1),  # 5 row tiles: odd
@@ -327,8 +327,8 @@ def test_fp8_sm90_default_tiling(recipe, intermediate, tile, tokens_per_expert):
 def test_sm90_bf16_default_tiling(hidden, intermediate, experts, tokens, out, acc, tile,
                                   cluster, schedule):
     """The SM90 BF16 defaults (Bf16Sm90Backend.default_tiling / tiling_for_tokens /
-    default_unit_schedule) on the benchmark's shapes, as fitted in docs/PERF_NOTES.md
-    (sessions 13, 17 and 18): CTA pairs with the balanced schedule where they measured faster,
+    default_unit_schedule) on the benchmark's shapes (docs/PERFORMANCE.md, defaults and
+    why): CTA pairs with the balanced schedule where they measured faster,
     the 1x1 dynamic kernel elsewhere, never a pair over an odd count (below 16) of 128-wide
     tiles along the pair."""
     from gwgrad.backends import finalize_spec

@@ -53,7 +53,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 from . import cuda as _cuda
 
 __all__ = ["KernelFunction", "load_or_compile", "entry_key", "cache_dir", "stats",
-           "clear_memory", "SOURCES"]
+           "clear_memory", "remembered", "SOURCES"]
 
 FORMAT = 1
 #: Argument kinds of a signature: an 8-byte pointer, an int32, the CUDA stream (exactly one).
@@ -219,6 +219,47 @@ def _stored(key: str, signature: Tuple[str, ...]) -> Optional["KernelFunction"]:
     return kernel
 
 
+#: Facts about a device that cost a CuTe DSL import to learn (how many clusters of a size fit
+#: at once), kept beside the kernels so that a process loading cached kernels needs no DSL.
+FACTS_FILE = "device-facts.json"
+_facts: Dict[str, int] = {}
+
+
+def remembered(fact: str, learn: Callable[[], Tuple[int, bool]]) -> int:
+    """The integer ``fact`` (a key naming the device and the question): from this process's
+    memory, else from the cache directory's ``FACTS_FILE``, else ``learn()``, which returns
+    ``(value, keep)``; a kept value is written to the file (merged under a lock, replaced
+    atomically). An unreadable file counts as empty; without a usable cache directory the
+    value stays in memory."""
+    with _lock:
+        value = _facts.get(fact)
+        if value is not None:
+            return value
+        directory = _usable_cache_dir()
+        stored = _read_facts(directory)
+        value = stored.get(fact)
+        if not isinstance(value, int) or isinstance(value, bool):
+            value, keep = learn()
+            if keep and directory is not None:
+                with _key_lock(directory, "device-facts"):
+                    stored = _read_facts(directory)  # another process may have added some
+                    stored[fact] = value
+                    _write_atomic(directory / FACTS_FILE,
+                                  json.dumps(stored, indent=1, sort_keys=True).encode())
+        _facts[fact] = value
+        return value
+
+
+def _read_facts(directory: Optional[Path]) -> Dict[str, Any]:
+    if directory is None:
+        return {}
+    try:
+        stored = json.loads((directory / FACTS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return stored if isinstance(stored, dict) else {}
+
+
 def stats() -> Dict[str, int]:
     """Counters of this process: compiles, memory_hits, disk_hits, rebuilds (bad entries
     deleted and compiled again)."""
@@ -231,6 +272,7 @@ def clear_memory() -> None:
     stays mapped: a binary loaded again from the same path is the same library)."""
     with _lock:
         _memory.clear()
+        _facts.clear()
 
 
 # -- entries on disk ------------------------------------------------------------------------------

@@ -511,3 +511,112 @@ def test_launch_on_a_device_that_is_not_current(cache):
         assert cuda.current_device() == 0
         torch.cuda.synchronize(device)
         assert rel_err(out, reference()) < 1e-5
+
+
+def test_device_facts_are_learned_once_and_kept_on_disk(cache):
+    """kernel_cache.remembered: learned once, then read back by a "new process" (memory
+    cleared) from the cache directory; an unkept answer is asked again; a broken file is
+    empty."""
+    calls = []
+
+    def learn(value, keep):
+        def answer():
+            calls.append(value)
+            return value, keep
+        return answer
+
+    assert kernel_cache.remembered("clusters of 2 | GPU A", learn(60, True)) == 60
+    assert kernel_cache.remembered("clusters of 2 | GPU A", learn(99, True)) == 60
+    kernel_cache.clear_memory()  # as a new process
+    assert kernel_cache.remembered("clusters of 2 | GPU A", learn(99, True)) == 60
+    assert kernel_cache.remembered("clusters of 4 | GPU A", learn(30, False)) == 30
+    kernel_cache.clear_memory()
+    assert kernel_cache.remembered("clusters of 4 | GPU A", learn(31, True)) == 31
+    assert calls == [60, 30, 31]
+    stored = json.loads((cache / kernel_cache.FACTS_FILE).read_text())
+    assert stored == {"clusters of 2 | GPU A": 60, "clusters of 4 | GPU A": 31}
+    (cache / kernel_cache.FACTS_FILE).write_text("{not json")
+    kernel_cache.clear_memory()
+    assert kernel_cache.remembered("clusters of 2 | GPU A", learn(61, True)) == 61
+
+
+CLUSTER_CHILD = """
+import builtins, json, sys
+sys.path.insert(0, {tests!r})
+import gwgrad
+from gwgrad import backends, cuda, kernel_cache
+from gwgrad.backends import _cutedsl
+from gwgrad.validation import build_spec
+from gwgrad import DType, from_pointer
+
+# A CUDA device as the host sees it, without one: an H200's answers.
+cuda.compute_capability = lambda device=0: (9, 0)
+cuda.device_name = lambda device=0: "NVIDIA H200"
+cuda.driver_version = lambda: 13000
+_cutedsl._sm_count = lambda device: 132
+
+class Cached:  # a kernel found in the disk cache
+    info = {{"num_units": 64, "workspace_bytes": 4096}}
+    def bound(self, device, grid):
+        self.grid = grid
+        return lambda *values: None
+
+kernel_cache.lookup = lambda *a, **k: Cached()
+kernel_cache.load_or_compile = lambda *a, **k: Cached()
+H = N = 256; E = 8; T = 2048
+a = from_pointer(1 << 32, (H, T), (1, H), DType.BFLOAT16, 0)
+b = from_pointer(2 << 32, (T, N), (N, 1), DType.BFLOAT16, 0)
+off = from_pointer(3 << 32, (E,), None, DType.INT32, 0)
+out = from_pointer(4 << 32, (E, H, N), None, DType.BFLOAT16, 0)
+request = backends.tiling_for_tokens(build_spec(a=a, b=b, offsets=off, wgrad=out,
+                                                arch="sm_90a"), T)
+spec, backend = backends.finalize_spec(request)
+compiled = backend.compile(spec)
+compiled.launcher(0)
+print(json.dumps({{"cluster": list(spec.cluster_shape_mn), "grid": compiled.kernel.grid,
+                  "cutlass": "cutlass" in sys.modules}}))
+"""
+
+
+def test_a_cached_clustered_kernel_runs_without_the_dsl(cache):
+    """A process running a cached kernel of a clustered default tiling (a 2x1 pair here)
+    sizes its grid from the cluster occupancy kept in the cache directory: no CuTe DSL
+    import. Without that fact (first process on this device) it would ask the DSL."""
+    key = ("max_active_clusters 2 CTAs | NVIDIA H200 | sm_90 | 132 SMs | driver 13000")
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / kernel_cache.FACTS_FILE).write_text(json.dumps({key: 60}))
+    out = json.loads(run_child(CLUSTER_CHILD.format(tests=str(REPO / "tests")),
+                               cache).strip().splitlines()[-1])
+    # 64 units, 60 resident pairs (the kept fact, under 132 // 2): a grid of 60 pairs.
+    assert out == {"cluster": [2, 1], "grid": 120, "cutlass": False}
+
+
+WARM_CHILD = """
+import json, sys
+import torch
+import gwgrad
+import gwgrad.adapters.torch as gwt
+counts = [256] * 8
+x = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16)
+dy = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16)
+offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+w = gwt.wgrad(x, dy, offsets, out_dtype=torch.float32)
+w2 = gwgrad.grouped_gemm_wgrad(x.T, dy, offsets_tensor=offsets, wgrad_dtype="float32")[0]
+torch.cuda.synchronize()
+want = torch.stack([x[i:i + 256].double().T @ dy[i:i + 256].double() for i in range(0, 2048, 256)])
+err = max(float((o.double() - want).norm() / want.norm()) for o in (w, w2))
+print(json.dumps({"cutlass": "cutlass" in sys.modules, "err": err,
+                  "cache": gwgrad.kernel_cache.stats()}))
+"""
+
+
+@pytest.mark.gpu
+def test_a_warm_process_never_imports_the_dsl(tmp_path):
+    """The torch adapter and the contract's wrapper in a fresh process whose kernels (a
+    clustered default tiling) and device facts are on disk: a result, no CuTe DSL import."""
+    pytest.importorskip("torch")
+    needs_sm90()
+    run_child(WARM_CHILD, tmp_path)  # compiles, learns the cluster occupancy
+    out = json.loads(run_child(WARM_CHILD, tmp_path).strip().splitlines()[-1])
+    assert out["cutlass"] is False and out["cache"]["compiles"] == 0, out
+    assert out["err"] < 1e-5, out

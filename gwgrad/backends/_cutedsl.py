@@ -199,17 +199,30 @@ def _sm_count(device_id: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _max_active_clusters(device_id: int, size: int) -> int:
     """Clusters of ``size`` CTAs (one per SM, all of its shared memory) resident at once: the
-    driver's occupancy answer (the DSL's HardwareInfo), else SMs // size."""
+    driver's occupancy answer through the DSL's HardwareInfo, learned once per device model,
+    driver and size and then read from the kernel cache's directory (a process running cached
+    kernels then never imports the DSL); SMs // size where the query fails."""
+    from .. import cuda as gcuda
+
+    major, minor = gcuda.compute_capability(device_id)
+    fact = (f"max_active_clusters {size} CTAs | {gcuda.device_name(device_id)} | "
+            f"sm_{major}{minor} | {_sm_count(device_id)} SMs | driver {gcuda.driver_version()}")
     fallback = _sm_count(device_id) // size
+    found = kernel_cache.remembered(fact, lambda: _query_max_active_clusters(device_id, size))
+    return max(1, min(found, fallback))
+
+
+def _query_max_active_clusters(device_id: int, size: int) -> Tuple[int, bool]:
+    """(clusters, True) from the DSL's HardwareInfo, or (SMs // size, False) when the DSL or
+    the query is not available (not kept: a later process asks again)."""
     try:
         from .. import cuda as gcuda
         import cutlass.utils as cutlass_utils
 
         with gcuda.on_device(device_id), shielded_argv():
-            found = int(cutlass_utils.HardwareInfo(device_id).get_max_active_clusters(size))
+            return int(cutlass_utils.HardwareInfo(device_id).get_max_active_clusters(size)), True
     except Exception:  # no DSL here, or the query failed: every SM can hold one CTA
-        return fallback
-    return max(1, min(found, fallback))
+        return _sm_count(device_id) // size, False
 
 
 def _sample_arguments(spec: StaticSpec) -> list:

@@ -1,7 +1,9 @@
-"""Shared test setup: the ``gpu`` marker skips cleanly where no CUDA GPU is usable; every test
-draws fresh random inputs from a seed of its own, printed when it fails (replay one with
-``GWGRAD_TEST_SEED=<seed>``); compiled kernels go to a per-session cache directory, never the
-user's."""
+"""Shared test setup: the ``gpu`` marker skips cleanly where no CUDA GPU is usable; tests
+marked ``compile`` (exhaustive full kernel compiles, minutes each on a small CPU) run only when
+``-m`` names them (``python -m pytest -m compile``), so that ``python -m pytest -q`` stays the
+fast tier; every test draws fresh random inputs from a seed of its own, printed when it fails
+(replay one with ``GWGRAD_TEST_SEED=<seed>``); compiled kernels go to a per-session cache
+directory, never the user's."""
 
 from __future__ import annotations
 
@@ -28,13 +30,31 @@ import gwgrad  # noqa: E402
 from gwgrad import cuda  # noqa: E402
 
 
+def _compile_tier_requested(config) -> bool:
+    """Whether ``-m`` names the ``compile`` marker (``-m compile``, ``-m "compile and not gpu"``,
+    ``-m "not compile"``): then the expression alone decides; otherwise the compile tier is
+    left out."""
+    return "compile" in (config.option.markexpr or "")
+
+
 def pytest_collection_modifyitems(config, items):
+    if not _compile_tier_requested(config):
+        left_out = [item for item in items if item.get_closest_marker("compile") is not None]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if item.get_closest_marker("compile") is None]
     if cuda.available():
         return
     skip = pytest.mark.skip(reason="needs a usable CUDA GPU (none found)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_report_header(config):
+    if not _compile_tier_requested(config):
+        return "exhaustive kernel compiles (marker 'compile') left out: python -m pytest -m compile"
+    return None
 
 
 @pytest.fixture(autouse=True)

@@ -155,6 +155,7 @@ def _custom_calls(text: str):
             if "stablehlo.custom_call" in line and "python_cpu_callback" not in line]
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_cuda_lowering_without_a_gpu_holds_the_custom_call(arch):
     # A process of its own: CUTE_DSL_ARCH must be set before the CuTe DSL is first imported
@@ -499,6 +500,7 @@ json.dump(texts, sys.stdout)
 """
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_cuda_lowering_without_a_gpu_holds_the_custom_call(recipe):
     env = dict(os.environ, PYTHONPATH=_pythonpath(), CUTE_DSL_ARCH="sm_90a", JAX_PLATFORMS="cpu",

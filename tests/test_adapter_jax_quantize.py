@@ -344,6 +344,7 @@ def lowered(request):
     return json.loads(proc.stdout)
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("fmt,elem", CASES)
 def test_cuda_lowering_without_a_gpu_holds_the_custom_call(lowered, fmt, elem):
     texts = lowered[f"{fmt}/{elem}"]

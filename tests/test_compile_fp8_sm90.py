@@ -25,6 +25,7 @@ def tma_loads(gemm: str) -> int:
     return len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", gemm))
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("case", range(len(MODES)))
 def test_recipe_compiles_with_fp8_wgmma(recipe, case):
@@ -40,6 +41,7 @@ def test_recipe_compiles_with_fp8_wgmma(recipe, case):
         assert "cp.reduce.async.bulk.tensor" in gemm
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("tile", [(64, 128), (128, 192)], ids=lambda t: f"{t[0]}x{t[1]}")
 def test_fp8_tiles_compile(recipe, tile):
@@ -50,6 +52,7 @@ def test_fp8_tiles_compile(recipe, tile):
         assert tma_loads(gemm) == 5
 
 
+@pytest.mark.compile
 def test_mixed_e4m3_e5m2():
     ptx = compile_ptx(fp8_spec("sm_90a", "per_expert_channel", a="e4m3", b="e5m2"))
     assert "f32.e4m3.e5m2" in ptx

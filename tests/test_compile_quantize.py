@@ -73,6 +73,7 @@ def global_stores(body):
     return {re.sub(r"\.[us](8|16|32|64)$", r".b\1", k) for k in kinds}
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("fmt,elem", CASES)
 def test_kernels_and_targets(ptx_of, fmt, elem, arch):
@@ -85,6 +86,7 @@ def test_kernels_and_targets(ptx_of, fmt, elem, arch):
     assert (amax is not None) == (fmt in TWO_PASS)
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("fmt,elem", CASES)
 def test_conversions(ptx_of, fmt, elem, arch):
@@ -108,6 +110,7 @@ def instructions(body):
         ("//", ".", "{", "}", "$")) and not line.endswith(":")]
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("fmt,elem", CASES)
 def test_values_from_bf16_by_prmt(ptx_of, fmt, elem, arch):
@@ -118,6 +121,7 @@ def test_values_from_bf16_by_prmt(ptx_of, fmt, elem, arch):
     assert len(re.findall(r"\bprmt\.b32\b", quant)) == (16 + 8 if fmt == "mxfp4" else 32)
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
 def test_mxfp4_packed_path(ptx_of, arch):
     """MXFP4 quantizes BF16 pairs (e2m1x8_bf16x2; tests/test_e2m1_rounding.py emulates it on
@@ -143,6 +147,7 @@ def test_mxfp4_packed_path(ptx_of, arch):
     assert extra <= 2 * 32, extra
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
 def test_nvfp4_fast_path(ptx_of, arch):
     """NVFP4's E2M1 codes by e2m1x8 (tests/test_e2m1_rounding.py emulates it on every FP32
@@ -162,6 +167,7 @@ def test_nvfp4_fast_path(ptx_of, arch):
     assert count["fma.rn.f32"] == 64, count
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("fmt,elem", CASES)
 def test_ieee_fp32_arithmetic(ptx_of, fmt, elem, arch):
@@ -185,6 +191,7 @@ def test_ieee_fp32_arithmetic(ptx_of, fmt, elem, arch):
         assert "div." not in ptx
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("fmt,elem", CASES)
 def test_stores(ptx_of, fmt, elem, arch):
@@ -203,6 +210,7 @@ def test_stores(ptx_of, fmt, elem, arch):
         assert not global_stores(amax)
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("fmt,elem", CASES)
 def test_amax_pass(ptx_of, fmt, elem, arch):
@@ -267,6 +275,7 @@ def test_every_format_config_is_supported(fmt, elem):
 
 # NVFP4: three kernels, the most FP32 divisions; 1x128: the tightest register budget (its
 # cross-quarter amax keeps the 32 values live under 3 CTAs per SM); MXFP4: the packed path.
+@pytest.mark.compile
 @pytest.mark.parametrize("fmt,elem", [("nvfp4", "e2m1"), ("block_1x128", "e4m3"),
                                       ("mxfp4", "e2m1")])
 @pytest.mark.parametrize("arch", ARCHS)

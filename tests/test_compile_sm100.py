@@ -1,11 +1,15 @@
-"""The SM100 BF16 kernel compiles for sm_100a and sm_103a without a GPU in every supported
-configuration (tile x cluster, and every mode on the default tile), and its PTX holds the Blackwell
+"""The SM100 BF16 kernel compiles for sm_100a without a GPU in every supported configuration
+(tile x cluster, and every mode on the default tile), and for sm_103a (the same kernel) on the
+default one; its PTX holds the Blackwell
 instructions it is built on: tcgen05 MMA and TMEM allocation, TMA loads, the TMA store or
 reduce-add, cluster launch control for the dynamic schedule with only the scheduler warps
 reading its responses (mbarrier counts), multicast TMA loads exactly where the cluster shares B, descriptor prefetches and the TMEM-load wait before an accumulator
 stage is released; and the device-side offsets
 check: the prep kernel's sticky status record (GPU-scope CAS + system-scope fence) and the GEMM's verdict
-read before any cluster barrier, TMEM allocation or CLC query."""
+read before any cluster barrier, TMEM allocation or CLC query.
+
+The exhaustive compiles are marked ``compile`` (``python -m pytest -m compile``); the fast tier
+compiles the default configuration once (test_compile_smoke.py)."""
 
 from __future__ import annotations
 
@@ -24,8 +28,6 @@ MODES = list(itertools.product(MAJORS, ["tensor2d", "tensor_ragged"], ["dense", 
 TILINGS = ([((128, n), (c, 1)) for n in range(64, 257, 32) for c in (1, 2, 4)]
            + [((256, n), (c, 1)) for n in range(64, 257, 32) for c in (2, 4)])
 
-
-ARCHS = ["sm_100a", "sm_103a"]
 
 
 def multicast_loads(ptx: str) -> list:
@@ -74,27 +76,38 @@ def check_blackwell_ptx(ptx: str, accumulate: bool, two_cta: bool) -> None:
         assert "cp.reduce.async.bulk" not in ptx
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.compile
 @pytest.mark.parametrize("majors,order,mode,out,acc", MODES,
                          ids=lambda v: v if isinstance(v, str) else str(v))
-def test_every_mode_compiles(majors, order, mode, out, acc, arch):
-    ptx = compile_ptx(spec(arch, a_major=majors[0], b_major=majors[1], order=order,
+def test_every_mode_compiles(majors, order, mode, out, acc):
+    ptx = compile_ptx(spec("sm_100a", a_major=majors[0], b_major=majors[1], order=order,
                            mode=mode, out=out, acc=acc))
     check_blackwell_ptx(ptx, acc, two_cta=True)  # default: 256x256 on a (2, 1) cluster
     assert not multicast_loads(ptx)  # the CTA pair splits A and B: nothing shared
     check_schedule_counts(ptx, 2)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.compile
 @pytest.mark.parametrize("tile,cluster", TILINGS, ids=lambda v: "x".join(map(str, v)))
-def test_every_tiling_compiles(tile, cluster, arch):
-    ptx = compile_ptx(spec(arch, tile=tile, cluster=cluster, acc=tile[1] % 64 == 0))
+def test_every_tiling_compiles(tile, cluster):
+    ptx = compile_ptx(spec("sm_100a", tile=tile, cluster=cluster, acc=tile[1] % 64 == 0))
     check_blackwell_ptx(ptx, tile[1] % 64 == 0, two_cta=tile[0] == 256)
     # B's K-blocks are multicast exactly when several MMAs of the cluster share them: more
     # CTAs along M than one MMA takes (a 256-row MMA takes a CTA pair).
     shares_b = cluster[0] // (2 if tile[0] == 256 else 1) > 1
     assert bool(multicast_loads(ptx)) == shares_b, (tile, cluster)
     check_schedule_counts(ptx, cluster[0] * cluster[1])
+
+
+@pytest.mark.compile
+def test_sm103a_compiles():
+    """sm_103a (B300) builds the sm_100a kernel: the default configuration compiles for it with
+    the same instructions (the modes and tilings are checked on sm_100a above)."""
+    ptx = compile_ptx(spec("sm_103a"))
+    assert re.search(r"^\.target\s+sm_103a\b", ptx, re.M)
+    check_blackwell_ptx(ptx, False, two_cta=True)
+    assert not multicast_loads(ptx)
+    check_schedule_counts(ptx, 2)
 
 
 @pytest.mark.parametrize("tile,cluster,match", [

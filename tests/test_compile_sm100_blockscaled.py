@@ -1,5 +1,5 @@
-"""The SM100 block-scaled kernel (kernels/sm100_blockscaled.py) compiles for sm_100a and sm_103a
-without a GPU for every format (MXFP8, NVFP4, MXFP4) in every mode of the contract on the default
+"""The SM100 block-scaled kernel (kernels/sm100_blockscaled.py) compiles for sm_100a without a
+GPU for every format (MXFP8, NVFP4, MXFP4) in every mode of the contract on the default
 tile, and in every tile x cluster its predicate accepts; its PTX holds what the kernel is built
 on: the block-scaled tcgen05.mma of the format (kind::mxf8f6f4 for FP8, kind::mxf4nvf4 for FP4;
 block32 / block16 scale vectors), the scale factors' tcgen05.cp, the 2-CTA MMA exactly for
@@ -9,7 +9,11 @@ check. Rejected combinations raise a ValueError naming the argument before anyth
 
 Modes are checked on the default tile and tilings on the default mode (the kernel's mode
 branches and its tiling are independent compile-time choices of the same code), and a seeded
-sample of 12 points of the whole product each run (the whole product is 2,900 compiles).
+sample of 12 points of the whole product each run (the whole product is 1,450 compiles). sm_103a
+builds the same kernel: one compile checks it there.
+
+The compiles are marked ``compile`` (``python -m pytest -m compile``); the fast tier compiles
+one default configuration (test_compile_smoke.py).
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ from gwgrad.dtypes import DType  # noqa: E402
 from kernel_compile import check_offsets_check_ptx, compile_ptx, spec  # noqa: E402
 from test_compile_sm100 import check_schedule_counts, multicast_loads  # noqa: E402
 
-ARCHS = ["sm_100a", "sm_103a"]
 E4M3, E5M2, FP4 = DType.FLOAT8_E4M3FN, DType.FLOAT8_E5M2, DType.FLOAT4_E2M1FN_X2
 E8M0 = DType.FLOAT8_E8M0FNU
 #: format -> (A dtype, B dtype, scale dtype, sf_vec_size, global scales, MMA kind, scale vector)
@@ -91,23 +94,23 @@ def check_blockscaled_ptx(ptx: str, fmt: str, accumulate: bool, two_cta: bool) -
         assert "cp.reduce.async.bulk" not in body
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.compile
 @pytest.mark.parametrize("fmt,majors,order,mode,out,acc", MODES,
                          ids=lambda v: v if isinstance(v, str) else str(v))
-def test_every_mode_compiles(fmt, majors, order, mode, out, acc, arch):
-    s = bs_spec(arch, fmt, a_major=majors[0], b_major=majors[1], order=order, mode=mode,
+def test_every_mode_compiles(fmt, majors, order, mode, out, acc):
+    s = bs_spec("sm_100a", fmt, a_major=majors[0], b_major=majors[1], order=order, mode=mode,
                 out=out, acc=acc)
     ptx = compile_ptx(s)
     check_blockscaled_ptx(ptx, fmt, acc, two_cta=True)  # default: 256 x 256 on (2, 1)
     check_schedule_counts(ptx, 2)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.compile
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "mxfp4"])
 @pytest.mark.parametrize("tile,cluster", TILINGS, ids=lambda v: "x".join(map(str, v)))
-def test_every_tiling_compiles(tile, cluster, fmt, arch):
+def test_every_tiling_compiles(tile, cluster, fmt):
     acc = tile[1] == 128
-    ptx = compile_ptx(bs_spec(arch, fmt, tile=tile, cluster=cluster, acc=acc))
+    ptx = compile_ptx(bs_spec("sm_100a", fmt, tile=tile, cluster=cluster, acc=acc))
     check_blockscaled_ptx(ptx, fmt, acc, two_cta=tile[0] == 256)
     # multicast TMA loads exactly when the cluster has several CTAs along M: they share the
     # n-tile's SFB (SFB's MMA is a 1-CTA one, as in the CuTe DSL example), and B too when
@@ -116,18 +119,29 @@ def test_every_tiling_compiles(tile, cluster, fmt, arch):
     check_schedule_counts(ptx, cluster[0] * cluster[1])
 
 
+@pytest.mark.compile
 def test_sampled_mode_x_tiling_product(rng):
-    """A seeded sample of the whole format x mode x tiling x cluster x arch product (the tests
-    above cover its two faces; this draws interior points, different each run, the seed
-    printed on failure)."""
-    product = [(m, t, arch) for m in MODES for t in TILINGS for arch in ARCHS]
+    """A seeded sample of the whole format x mode x tiling x cluster product (the tests above
+    cover its two faces; this draws interior points, different each run, the seed printed on
+    failure)."""
+    product = [(m, t) for m in MODES for t in TILINGS]
     for i in rng.choice(len(product), size=12, replace=False):
-        (fmt, majors, order, mode, out, acc), (tile, cluster), arch = product[int(i)]
-        s = bs_spec(arch, fmt, a_major=majors[0], b_major=majors[1], order=order, mode=mode,
+        (fmt, majors, order, mode, out, acc), (tile, cluster) = product[int(i)]
+        s = bs_spec("sm_100a", fmt, a_major=majors[0], b_major=majors[1], order=order, mode=mode,
                     out=out, acc=acc, tile=tile, cluster=cluster)
         ptx = compile_ptx(s)
         check_blockscaled_ptx(ptx, fmt, acc, two_cta=tile[0] == 256)
         check_schedule_counts(ptx, cluster[0] * cluster[1])
+
+
+@pytest.mark.compile
+def test_sm103a_compiles():
+    """sm_103a (B300) builds the sm_100a kernel: NVFP4 (its FP4 MMA kind) on the default
+    configuration compiles for it with the same instructions."""
+    ptx = compile_ptx(bs_spec("sm_103a", "nvfp4"))
+    assert re.search(r"^\.target\s+sm_103a\b", ptx, re.M)
+    check_blockscaled_ptx(ptx, "nvfp4", False, two_cta=True)
+    check_schedule_counts(ptx, 2)
 
 
 def test_workspace_holds_scale_descriptors():

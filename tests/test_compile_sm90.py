@@ -50,6 +50,7 @@ def check_hopper_ptx(ptx: str, accumulate: bool, cluster: bool = False) -> None:
         assert "cp.async.bulk.tensor" in ptx and ".global.shared::cta" in ptx  # TMA store
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("majors,order,mode,out,acc", MODES,
                          ids=lambda v: v if isinstance(v, str) else str(v))
 def test_every_mode_compiles(majors, order, mode, out, acc):
@@ -62,6 +63,7 @@ def test_every_mode_compiles(majors, order, mode, out, acc):
     check_hopper_ptx(ptx, acc, cluster=finalize_spec(s)[0].cluster_shape_mn != (1, 1))
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("tile", [(128, 256), (256, 128), (128, 192), (128, 128), (64, 256),
                                   (64, 128)], ids=lambda t: f"{t[0]}x{t[1]}")
 def test_every_tile_compiles(tile):
@@ -98,6 +100,7 @@ def _last_batch_segments(ptx: str):
     return [ptx[ptx.rfind("wgmma.commit_group", 0, w):w] for w in waits]
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("tile, cluster, early", [
     ((128, 128), (1, 1), True), ((128, 128), (1, 2), True), ((64, 128), (1, 1), True),
     ((128, 256), (1, 1), False),
@@ -114,6 +117,7 @@ def test_pingpong_hands_off_before_the_last_batch_completes(tile, cluster, early
         assert "wgmma.mma_async" not in seg
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("case", [
     dict(tile=(128, 128)),
     dict(tile=(64, 128), out="float32", acc=True, mode="discrete"),
@@ -139,6 +143,7 @@ def test_pingpong_epilogue_buffer_set_per_group(case):
     assert (bars2, drains2) == (bars - 1, drains - 1), ((bars, drains), (bars2, drains2))
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("case", [
     dict(tile=(128, 256)),
     dict(tile=(128, 256), cluster=(2, 1), out="float32", acc=True, mode="discrete"),
@@ -188,6 +193,7 @@ def test_epilogue_buffer_sets_rejected(arch, tile, cluster, sets, extra):
                                           epi_buffer_sets=sets, **extra))
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("tile,cluster,kw", [
     ((128, 128), (1, 2), {}),
     ((128, 128), (2, 1), dict(out="float32", acc=True)),
@@ -211,6 +217,7 @@ def test_cluster_pairs_compile(tile, cluster, kw):
     check_hopper_ptx(ptx, final.accumulate, cluster=True)
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("launches", [1, 2])
 @pytest.mark.parametrize("mode,cluster", [("dense", (1, 1)), ("discrete", (1, 2))])
 def test_launches_per_call_compile(launches, mode, cluster):
@@ -226,6 +233,7 @@ def test_launches_per_call_compile(launches, mode, cluster):
         assert "ld.acquire.gpu" not in ptx and "fence.proxy.tensormap::generic.release" in ptx
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("tile,kw", [
     ((128, 128), {}),
     ((128, 256), {}),
@@ -250,12 +258,14 @@ def test_k_split_compiles(tile, kw):
     assert bool(stores) == (not kw.get("acc", False))
 
 
+@pytest.mark.compile
 def test_no_k_split_no_flags():
     """Without the K split (the default) the GEMM has none of the split's flag traffic."""
     ptx = compile_ptx(spec("sm_90a", tile=(128, 128), cluster=(1, 1)))
     assert "atom.global.release.exch" not in ptx and "cp.async.bulk.wait_group \t0;" not in ptx
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("cluster", [(1, 1), (1, 2), (2, 2)], ids=lambda c: f"{c[0]}x{c[1]}")
 def test_unit_schedule_compile(cluster):
     """spec.unit_schedule: static (2) takes every grid-th unit, so the kernel has one atomic
@@ -291,6 +301,7 @@ def test_unit_schedule_compile(cluster):
         assert ".multicast::cluster" in static and ".multicast::cluster" in balanced
 
 
+@pytest.mark.compile
 def test_default_unit_schedule_is_resolved():
     """finalize_spec resolves unit_schedule 0 (the backend's default) to a schedule the kernel
     runs: the PTX of a spec left at 0 is that of the resolved one."""
@@ -305,6 +316,7 @@ def test_default_unit_schedule_is_resolved():
         replace(base, unit_schedule=final.unit_schedule))
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("tile, cluster, mode", [
     ((128, 256), (1, 1), "dense"), ((128, 128), (1, 2), "discrete"),
 ], ids=["cooperative-dense", "pair-discrete"])

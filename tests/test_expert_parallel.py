@@ -282,6 +282,7 @@ print("lowered ok")
 """
 
 
+@pytest.mark.compile
 def test_jax_example_step_lowers_for_cuda_without_a_gpu():
     # CUTE_DSL_ARCH: the DSL compiles gwgrad's kernel for it without a GPU (read at its import).
     pytest.importorskip("jax")

@@ -622,6 +622,7 @@ def test_sanitize_parent_runs_baseline_and_tools(tmp_path):
     assert mem["findings_by_case"] == {"quant_mxfp8_e4m3": 1}
 
 
+@pytest.mark.compile
 def test_sanitize_kernels_compile_for_sm90():
     """Every kernel the sanitizer run needs compiles for sm_90a (no GPU needed: the DSL's
     --gpu-arch), so its baseline cannot fail on a compile: the GEMMs through the operator the

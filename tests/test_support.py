@@ -1,7 +1,8 @@
 """``check_support()`` returning True means ``compile()`` succeeds: every tiling x cluster the
 predicates accept compiles for its architecture (CPU, the DSL's --gpu-arch), and what they
 reject is a ValueError naming the argument, on the GPU backends and on the CPU reference alike
-(one predicate: gwgrad/kernels/tiling.py)."""
+(one predicate: gwgrad/kernels/tiling.py). The accepted combinations compile (marked ``compile``:
+``python -m pytest -m compile``); the rejected ones are checked in the fast tier."""
 
 from __future__ import annotations
 
@@ -19,14 +20,20 @@ COMBOS = [(arch, tile, cluster) for arch in ("sm_90a", "sm_100a")
           for tile in TILES for cluster in CLUSTERS]
 
 
+def _compiles_if(accepted: bool):
+    """The marks of a parameter set that compiles a kernel when the predicate accepts it."""
+    return [pytest.mark.compile] if accepted else []
+
+
 def _spec(arch, tile, cluster, **kw):
     from kernel_compile import spec
 
     return spec(arch, tile=tile, cluster=cluster, **kw)
 
 
-@pytest.mark.parametrize("arch,tile,cluster", COMBOS,
-                         ids=[f"{a}-{t[0]}x{t[1]}-c{c[0]}{c[1]}" for a, t, c in COMBOS])
+@pytest.mark.parametrize("arch,tile,cluster", [
+    pytest.param(a, t, c, id=f"{a}-{t[0]}x{t[1]}-c{c[0]}{c[1]}",
+                 marks=_compiles_if(PROBLEMS[a](t, c) is None)) for a, t, c in COMBOS])
 def test_check_support_agrees_with_compile(arch, tile, cluster):
     pytest.importorskip("cutlass")
     from gwgrad import plan
@@ -66,8 +73,10 @@ SETS_COMBOS = ([("sm_90a", tile, sets) for tile in SM90_TILES for sets in (2, 3)
                + [("sm_100a", (128, 128), 2)])
 
 
-@pytest.mark.parametrize("arch,tile,sets", SETS_COMBOS,
-                         ids=[f"{a}-{t[0]}x{t[1]}-sets{s}" for a, t, s in SETS_COMBOS])
+@pytest.mark.parametrize("arch,tile,sets", [
+    pytest.param(a, t, s, id=f"{a}-{t[0]}x{t[1]}-sets{s}", marks=_compiles_if(
+        epi_buffer_sets_problem(s, SM90_TILES[t] if a == "sm_90a" else None, cta_m=t[0]) is None))
+    for a, t, s in SETS_COMBOS])
 def test_epi_buffer_sets_support_agrees_with_compile(arch, tile, sets):
     """spec.epi_buffer_sets: the one predicate (tiling.epi_buffer_sets_problem) decides, and
     what it accepts compiles (a set of epilogue buffers per SM90 consumer group: pingpong,

@@ -61,7 +61,7 @@ from jax.interpreters import mlir
 from gwgrad import backends, cuda, offsets as offsets_rules, status
 from gwgrad.dsl import shielded_argv
 from gwgrad.dtypes import DType, as_dtype
-from gwgrad.errors import ArgumentError
+from gwgrad.errors import NAMED_ERRORS, ArgumentError
 from gwgrad.scales import BLOCK_1X128, BLOCK_TOKENS
 from gwgrad.spec import StaticSpec
 from gwgrad.tensors import TensorDesc
@@ -331,10 +331,11 @@ _FP8_OPERANDS = ("float8_e4m3fn", "float8_e5m2")
 
 @contextlib.contextmanager
 def _fp8_names() -> Iterator[None]:
-    """Re-raise the core's ArgumentErrors under wgrad_fp8's argument names."""
+    """Re-raise the core's ArgumentErrors (and UnsupportedErrors) under wgrad_fp8's argument
+    names."""
     try:
         yield
-    except ArgumentError as exc:
+    except NAMED_ERRORS as exc:
         renamed = exc.renamed(_FP8_NAMES)
         if renamed is exc:
             raise

@@ -40,7 +40,7 @@ from .api import (  # noqa: E402
 )
 from .backends.base import Backend, LaunchArgs  # noqa: E402
 from .dtypes import DType  # noqa: E402
-from .errors import ArgumentError  # noqa: E402
+from .errors import ArgumentError, UnsupportedError  # noqa: E402
 from .interop import as_tensor_desc, from_dlpack  # noqa: E402
 from .offsets import token_count_multiple  # noqa: E402
 from .plan import LaunchPlan, plan_for  # noqa: E402
@@ -60,6 +60,7 @@ __all__ = [
     "check_errors",
     "quantize",
     "ArgumentError",
+    "UnsupportedError",
     "TensorDesc",
     "as_tensor_desc",
     "from_dlpack",

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 from . import backends, interop, plan as plans
 from .dtypes import DType
-from .errors import ArgumentError
+from .errors import NAMED_ERRORS, ArgumentError
 from .plan import LaunchPlan, cache_info, clear_cache
 from .spec import StaticSpec
 from .tensors import TensorDesc
@@ -57,6 +57,11 @@ class GroupedGemmWgrad:
     the offsets values may change from call to call (a tiling left to gwgrad is chosen for
     ``sample_a``'s tokens_sum, and runs any other). ``scale_recipe``: as for
     ``grouped_gemm_wgrad`` (block-scaled inputs; gwgrad/scales.py).
+
+    Errors: arguments no kernel runs raise ``ArgumentError`` (a ValueError) here; a call this
+    architecture cannot run but another can raises ``UnsupportedError`` (a
+    NotImplementedError) from ``check_support()`` (gwgrad/errors.py), as cuDNN's callers
+    expect (``except (ValueError, NotImplementedError)`` around ``check_support()``).
     """
 
     def __init__(
@@ -114,7 +119,7 @@ class GroupedGemmWgrad:
                 acc_dtype=acc_dtype, mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn,
                 sf_vec_size=sf_vec_size, accumulate=accumulate_on_output, input_order=input_order,
                 scale_recipe=scale_recipe)
-        except ArgumentError as exc:
+        except NAMED_ERRORS as exc:
             raise exc.renamed(_SAMPLE_NAMES) from None
         self._request = request
         self._device_id = t["a_tensor"].device_id
@@ -136,13 +141,19 @@ class GroupedGemmWgrad:
         return self._backend
 
     def check_support(self) -> bool:
-        """Pick the backend and tiling; raise ValueError / RuntimeError if unsupported.
-        Returning True means ``compile()`` succeeds."""
+        """Pick the backend and tiling. Raises ``UnsupportedError`` (a NotImplementedError)
+        when this architecture cannot run the operator but another can (naming the argument
+        and that architecture), ``ArgumentError`` (a ValueError) for a tiling the kernel does
+        not run, ``RuntimeError`` without CUDA. Returning True means ``compile()`` succeeds."""
         if self._spec is None:
             request = self._request
-            if not request.arch:
-                request = dataclasses.replace(request, arch=backends.detect_arch(self._device_id))
-            self._spec, self._backend = backends.finalize_spec(request, self._sample_tokens)
+            try:
+                if not request.arch:
+                    request = dataclasses.replace(request,
+                                                  arch=backends.detect_arch(self._device_id))
+                self._spec, self._backend = backends.finalize_spec(request, self._sample_tokens)
+            except NAMED_ERRORS as exc:
+                raise exc.renamed(_SAMPLE_NAMES) from None
         return True
 
     def compile(self) -> None:
@@ -311,6 +322,10 @@ def grouped_gemm_wgrad(
     framework), or None for pointer-only discrete output. ``wgrad_dtype`` defaults to the
     given output's dtype, else bfloat16. With ``accumulate_on_output=True`` an output must be
     given (there is nothing to add into otherwise).
+
+    Errors: ``ArgumentError`` (a ValueError) for arguments no kernel runs, ``UnsupportedError``
+    (a NotImplementedError) for a call this architecture cannot run but another can,
+    ``RuntimeError`` for an unusable environment (gwgrad/errors.py).
 
     Offsets: every CUDA launch checks them on the device, without synchronizing; invalid
     offsets make the kernel write nothing, and the ``ValueError`` naming ``offsets_tensor``

@@ -35,6 +35,7 @@ from .api import (  # noqa: E402
     TupleDict,
     cache_info,
     clear_cache,
+    get_grouped_gemm_wgrad_workspace_size_sm100,
     grouped_gemm_wgrad,
     grouped_gemm_wgrad_wrapper_sm100,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "grouped_gemm_wgrad",
     "GroupedGemmWgradSm100",
     "grouped_gemm_wgrad_wrapper_sm100",
+    "get_grouped_gemm_wgrad_workspace_size_sm100",
     "TupleDict",
     "LaunchPlan",
     "plan_for",

@@ -15,6 +15,7 @@ import pytest
 import gwgrad
 from gwgrad import DType, from_pointer, status
 from gwgrad.backends import _cutedsl
+from gwgrad.plan import workspace_bytes_bound
 
 H, N, E, T = 128, 128, 2, 256  # hidden, intermediate, experts, tokens (two experts of 128)
 E4M3, E5M2, FP4 = DType.FLOAT8_E4M3FN, DType.FLOAT8_E5M2, DType.FLOAT4_E2M1FN_X2
@@ -121,26 +122,24 @@ class Launches:
 _record = (ctypes.c_int32 * 32)()
 
 
-#: The stand-in kernels' workspace size.
-WORKSPACE_BYTES = 1 << 14
-
-
 class _Compiled:
     def __init__(self, spec):
         self.spec = spec
-        self.workspace_bytes = WORKSPACE_BYTES
+        self.workspace_bytes = workspace_bytes_bound(spec.num_experts, spec.output_mode)
 
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    """The CuTe DSL backends without the DSL: compile returns a stub; the launcher records its arguments; a kernel counts as compiled before (so the
+    """The CuTe DSL backends without the DSL: compile returns a stub of the bound workspace
+    size; the launcher records its arguments; a kernel counts as compiled before (so the
     kernel modules' predicates, which import the DSL, are not asked). No CUDA is touched."""
     launches = Launches()
     monkeypatch.setattr(_cutedsl.CuteDslBackend, "compile", lambda self, spec: (
         self.check_support(spec), _Compiled(spec))[1])
     monkeypatch.setattr(_cutedsl.CuteDslBackend, "compiled_before", lambda self, spec: True)
     monkeypatch.setattr(_cutedsl.CuteDslBackend, "workspace_bytes",
-                        lambda self, spec: WORKSPACE_BYTES)
+                        lambda self, spec: workspace_bytes_bound(spec.num_experts,
+                                                                 spec.output_mode))
     monkeypatch.setattr(_cutedsl.CuteDslBackend, "launcher",
                         lambda self, compiled, spec, device: (
                             lambda *values: launches.calls.append(values)))

@@ -112,6 +112,39 @@ def test_layouts_no_gpu_runs_stay_value_errors(stand_in, monkeypatch):  # noqa: 
         assert str(info.value).startswith("a_tensor: ") and "K-major" in str(info.value)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sf_fp8_dtype_override(arch, stand_in, monkeypatch):  # noqa: F811
+    """cuDNN's ``sf_fp8_dtype_override``: "e5m3" on NVFP4 is valid and no kernel of gwgrad
+    reads UE5M3 scale bytes (NotImplementedError naming it, on every architecture; from the
+    class, at check_support); other values, or "e5m3" on other formats, are ValueErrors."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", arch)
+    with pytest.raises(NotImplementedError, match=r"^sf_fp8_dtype_override: 'e5m3' .*UE5M3.*"
+                                                  rf"this is {arch}$") as info:
+        gwgrad.grouped_gemm_wgrad_wrapper_sm100(**fmt_kwargs("nvfp4"), sf_fp8_dtype_override="e5m3")
+    assert info.value.needs == ()
+    op = gwgrad.GroupedGemmWgradSm100(**class_kwargs("nvfp4"), sf_fp8_dtype_override="e5m3")
+    with pytest.raises(NotImplementedError, match="^sf_fp8_dtype_override: 'e5m3'"):
+        op.check_support()
+    for fmt, value in (("nvfp4", "e4m3"), ("nvfp4", "E5M3"), ("mxfp8", "e5m3"), ("mxfp4", "e5m3"),
+                       ("bf16", "e5m3"), ("nvfp4", 3)):
+        with pytest.raises(ValueError, match="^sf_fp8_dtype_override: expected None") as info:
+            gwgrad.grouped_gemm_wgrad_wrapper_sm100(**fmt_kwargs(fmt), sf_fp8_dtype_override=value)
+        assert not isinstance(info.value, NotImplementedError)
+        with pytest.raises(ValueError, match="^sf_fp8_dtype_override: expected None"):
+            gwgrad.GroupedGemmWgradSm100(**class_kwargs(fmt), sf_fp8_dtype_override=value)
+    # None is the default and changes nothing.
+    gwgrad.grouped_gemm_wgrad_wrapper_sm100(**fmt_kwargs("bf16"), sf_fp8_dtype_override=None)
+    assert len(stand_in.calls) == 1
+
+
+def test_e5m3_on_the_cpu_is_not_implemented_either():
+    kw = fmt_kwargs("nvfp4")
+    cpu = {k: (gwgrad.TensorDesc(v.ptr, v.shape, v.strides, v.dtype, "cpu", 0)
+               if isinstance(v, gwgrad.TensorDesc) else v) for k, v in kw.items()}
+    with pytest.raises(NotImplementedError, match="this is cpu$"):
+        gwgrad.grouped_gemm_wgrad_wrapper_sm100(**cpu, sf_fp8_dtype_override="e5m3")
+
+
 @pytest.mark.parametrize("capability,arch", [((8, 0), "sm_80"), ((7, 5), "sm_75"),
                                              ((12, 0), "sm_120")])
 def test_a_gpu_without_kernels(monkeypatch, capability, arch):

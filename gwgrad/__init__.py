@@ -76,3 +76,13 @@ __all__ = [
     "clear_cache",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # cuDNN frontend's JAX entry, imported on first use: importing gwgrad never imports JAX
+    # (so it is not in __all__, which ``from gwgrad import *`` would import it through).
+    if name == "grouped_gemm_wgrad_jax_sm100":
+        from .adapters.jax import grouped_gemm_wgrad_jax_sm100
+
+        return grouped_gemm_wgrad_jax_sm100
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """cuDNN frontend 1.32's grouped wgrad API (``cudnn/gemm/cutedsl/grouped/wgrad/``), stated here
 in gwgrad's words, against gwgrad's names: the signatures of the wrapper, the class, its
-``execute`` and the workspace size function, and the behaviours a caller of
+``execute``, the workspace size function and the JAX entry, and the behaviours a caller of
 cuDNN relies on. A cuDNN release that changes them should change this file first: then the
 difference is a decision, not a user's surprise.
 
@@ -61,6 +61,16 @@ WRAPPER = [
 WORKSPACE_SIZE = [
     ("num_experts", POS, REQUIRED), ("output_mode", KW, "dense"), ("input_order", KW, "tensor2d"),
 ]
+#: cuDNN 1.32 ``grouped_gemm_wgrad_jax_sm100`` (an XLA custom call).
+JAX_ENTRY = [
+    ("a_tensor", POS, REQUIRED), ("b_tensor", POS, REQUIRED), ("offsets_tensor", POS, REQUIRED),
+    ("wgrad_ptrs", POS, None), ("wgrad_dtype", POS, "bfloat16"), ("acc_dtype", POS, "float32"),
+    ("mma_tiler_mn", POS, (256, 256)), ("cluster_shape_mn", POS, None),
+    ("accumulate_on_output", POS, False), ("input_order", POS, "tensor2d"),
+    ("sfa_tensor", KW, None), ("sfb_tensor", KW, None), ("global_scale_a", KW, None),
+    ("global_scale_b", KW, None), ("sf_vec_size", KW, 32),
+]
+
 #: Defaults gwgrad gives differently, and why. (A parameter cuDNN requires and gwgrad makes
 #: optional is not a deviation: every cuDNN call still binds.)
 DEVIATIONS = {
@@ -136,10 +146,18 @@ def test_workspace_size_signature():
     _check_signature(gwgrad.get_grouped_gemm_wgrad_workspace_size_sm100, WORKSPACE_SIZE)
 
 
+def test_jax_entry_signature():
+    pytest.importorskip("jax")
+    _check_signature(gwgrad.grouped_gemm_wgrad_jax_sm100, JAX_ENTRY)
+
+
 def test_names_are_exported():
     for name in ("GroupedGemmWgradSm100", "grouped_gemm_wgrad_wrapper_sm100",
                  "get_grouped_gemm_wgrad_workspace_size_sm100", "UnsupportedError"):
         assert name in gwgrad.__all__ and getattr(gwgrad, name) is not None
+    # The JAX entry is an attribute (imported on first use), not in __all__: `import gwgrad`
+    # and `from gwgrad import *` never import JAX.
+    assert "grouped_gemm_wgrad_jax_sm100" not in gwgrad.__all__
 
 
 # --- the workspace size function ------------------------------------------------------------

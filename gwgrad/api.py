@@ -98,10 +98,11 @@ def get_grouped_gemm_wgrad_workspace_size_sm100(
     own need (``GroupedGemmWgrad.workspace_bytes``) is at most this.
 
     The workspace holds the experts' token ranges and order and their TMA descriptors, which
-    every launch rewrites in full. Zeroing rule: its first ``gwgrad.plan.WORKSPACE_ZEROED_BYTES``
-    (16) bytes must be zero before the first launch that uses it (a single-launch kernel's prep
-    hand-off counters); every launch leaves them zero, so a workspace zero-filled once (e.g.
-    ``torch.zeros``) serves every later launch on one stream. Other bytes may hold anything.
+    every launch's prep work writes before its tiles read them. Zeroing rule: its first
+    ``gwgrad.plan.WORKSPACE_ZEROED_BYTES`` (16) bytes must be zero before the first launch that
+    uses it (a single-launch kernel's prep hand-off counters); every launch leaves them zero,
+    so a workspace zero-filled once (e.g. ``torch.zeros``) serves every later launch on one
+    stream. Other bytes may hold anything (as in the workspaces gwgrad allocates itself).
     """
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
         raise ArgumentError("num_experts", f"expected a positive int, got {num_experts!r}")

@@ -473,10 +473,10 @@ except NameError:  # pragma: no cover - then only jitted calls work
 
 
 def _fp8_offsets_problem(offsets, tokens: int, multiple: int, capacity: Optional[int]):
-    """(code, expert, value, previous) of the first problem (also of BF16 with a K-major A), as gwgrad.offsets.find_problem
+    """(code, expert, value, previous) of the first problem, as gwgrad.offsets.find_problem
     (and the prep kernel) report it: a negative count, the last offset, a count not a
     multiple of ``multiple``, then (``capacity``: block_1x128's scale rows R) the first expert
-    whose scale rows end past R; code 0 when there is none."""
+    whose scale rows end past R; code 0 when there is none. (Also BF16's with a K-major A.)"""
     num = offsets.shape[0]
     prev = jnp.concatenate([jnp.zeros((1,), offsets.dtype), offsets[:-1]])
     index = jnp.arange(num, dtype=jnp.int32)

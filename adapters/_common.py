@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Mapping
 
-from gwgrad.errors import ArgumentError
+from gwgrad.errors import NAMED_ERRORS, ArgumentError
 
 #: core argument -> how the adapters' docs and signatures call it
 NAMES = {
@@ -69,11 +69,11 @@ def check_accumulate(accumulate, out) -> None:
 
 @contextlib.contextmanager
 def adapter_names(names: Mapping[str, str] = NAMES) -> Iterator[None]:
-    """Re-raise the core's ArgumentErrors under the adapter's argument names (``names``:
-    ``NAMES`` for the GEMMs, ``QUANTIZE_NAMES`` for ``quantize``)."""
+    """Re-raise the core's ArgumentErrors (and UnsupportedErrors) under the adapter's argument
+    names (``names``: ``NAMES`` for the GEMMs, ``QUANTIZE_NAMES`` for ``quantize``)."""
     try:
         yield
-    except ArgumentError as exc:
+    except NAMED_ERRORS as exc:
         renamed = exc.renamed(names)
         if renamed is exc:
             raise

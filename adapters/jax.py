@@ -43,6 +43,12 @@ On CUDA the CuTe DSL quantizer through ``cutlass_call``; on the CPU the NumPy mo
 
 ``grouped_linear`` is a ``jax.custom_vjp`` example: a grouped expert linear layer whose
 weight gradient is gwgrad's.
+
+``grouped_gemm_wgrad_jax_sm100`` is cuDNN frontend 1.32's JAX entry (its signature and
+semantics: ``a_tensor`` (hidden, tokens), ``b_tensor`` (tokens, intermediate), the result in
+a ``TupleDict``) on these primitives: BF16 through ``wgrad``'s (A K-major, read in place),
+FP8 with FP32 scales through ``wgrad_fp8``'s; also exported as
+``gwgrad.grouped_gemm_wgrad_jax_sm100``.
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ from jax.interpreters import mlir
 from gwgrad import backends, cuda, offsets as offsets_rules, status
 from gwgrad.dsl import shielded_argv
 from gwgrad.dtypes import DType, as_dtype
-from gwgrad.errors import ArgumentError
+from gwgrad.errors import NAMED_ERRORS, ArgumentError
 from gwgrad.scales import BLOCK_1X128, BLOCK_TOKENS
 from gwgrad.spec import StaticSpec
 from gwgrad.tensors import TensorDesc
@@ -71,7 +77,7 @@ from ._common import (FP8_DOC, FP8_RECIPES, NAMES, adapter_names, check_accumula
                       experts_hidden_intermediate)
 
 __all__ = ["wgrad", "wgrad_fp8", "reference_wgrad", "reference_wgrad_fp8", "quantize",
-           "reference_quantize", "grouped_linear", "grouped_mm"]
+           "reference_quantize", "grouped_linear", "grouped_mm", "grouped_gemm_wgrad_jax_sm100"]
 
 _wgrad_p = Primitive("gwgrad_grouped_gemm_wgrad")
 
@@ -79,16 +85,23 @@ _wgrad_p = Primitive("gwgrad_grouped_gemm_wgrad")
 # --- the contract's check, on shapes and dtypes ---------------------------------------------
 
 def _spec(x_shape, x_dtype, dy_shape, dy_dtype, off_shape, off_dtype, out_dtype,
-          accumulate: bool, arch: str) -> StaticSpec:
+          accumulate: bool, arch: str, a_kmajor: bool = False,
+          tiling: Tuple = (None, None)) -> StaticSpec:
     """The static spec of a call, checked by the core (ValueError naming the argument).
 
     The descriptors have address 0: only shapes, strides and dtypes matter here, and a JAX
-    array is row-major, so x's (tokens, hidden) buffer is A = x.T in M-major layout.
+    array is row-major, so x's (tokens, hidden) buffer is A = x.T in M-major layout; with
+    ``a_kmajor`` the first operand is A itself, (hidden, tokens), K-major (the contract's
+    a_tensor as cuDNN's JAX entry takes it). ``tiling``: (mma_tiler_mn, cluster_shape_mn),
+    None each for the backend's choice.
     """
+    if a_kmajor:
+        x_shape = tuple(x_shape)[::-1]
     experts, hidden, inter = experts_hidden_intermediate(x_shape, dy_shape, off_shape)
     tokens = int(x_shape[0])
     with adapter_names():
-        a = TensorDesc(0, (hidden, tokens), (1, hidden), as_dtype(x_dtype, "a_tensor"), "cuda",
+        a_strides = (tokens, 1) if a_kmajor else (1, hidden)
+        a = TensorDesc(0, (hidden, tokens), a_strides, as_dtype(x_dtype, "a_tensor"), "cuda",
                        0, "jax")
         b = TensorDesc(0, tuple(dy_shape), (inter, 1), as_dtype(dy_dtype, "b_tensor"), "cuda",
                        0, "jax")
@@ -100,7 +113,8 @@ def _spec(x_shape, x_dtype, dy_shape, dy_dtype, off_shape, off_dtype, out_dtype,
             wgrad = TensorDesc(0, (experts, hidden, inter), (hidden * inter, inter, 1), out,
                                "cuda", 0, "jax")
         return build_spec(a=a, b=b, offsets=offsets, wgrad=wgrad, wgrad_dtype=out,
-                          accumulate=accumulate, arch=arch)
+                          accumulate=accumulate, arch=arch, mma_tiler_mn=tiling[0],
+                          cluster_shape_mn=tiling[1])
 
 
 # --- the primitive --------------------------------------------------------------------------
@@ -128,8 +142,10 @@ def _result_aval(shape, dtype, operands):
         return jax.core.ShapedArray(shape, dtype)
 
 
-def _abstract_eval(x, dy, offsets, *out, out_dtype, accumulate):
-    shape = experts_hidden_intermediate(x.shape, dy.shape, offsets.shape)
+def _abstract_eval(x, dy, offsets, *out, out_dtype, accumulate, a_kmajor=False,
+                   tiling=(None, None)):
+    x_shape = tuple(x.shape)[::-1] if a_kmajor else x.shape
+    shape = experts_hidden_intermediate(x_shape, dy.shape, offsets.shape)
     return _result_aval(shape, out_dtype, (x, dy, offsets, *out))
 
 
@@ -162,17 +178,26 @@ def _record_problem(code, expert, value, prev, tokens):
         status.record(int(code), int(expert), int(value), int(prev), int(tokens), 1)
 
 
-def reference_wgrad(x, dy, offsets, out=None, *, out_dtype=jnp.bfloat16, accumulate=False):
+def reference_wgrad(x, dy, offsets, out=None, *, out_dtype=jnp.bfloat16, accumulate=False,
+                    a_kmajor=False):
     """The jnp reference (the CPU lowering): FP32 accumulation, rounded once to ``out_dtype``.
 
     Valid offsets give expert e the tokens [offsets[e-1], offsets[e]). Invalid ones are
     recorded for ``gwgrad.check_errors()`` (a host callback) and compute nothing: ``out``
     when accumulating, else NaN. One matmul per expert (``lax.map``), so memory stays at one
-    expert's masked copy of x.
+    expert's masked copy of x. ``a_kmajor``: ``x`` is (hidden, tokens), A itself, K-major:
+    every count must then be a multiple of 8, as for the kernels (16-byte TMA rows).
     """
+    if a_kmajor:
+        x = x.T
     tokens = x.shape[0]
-    code, expert, value, prev = _offsets_problem(offsets, tokens)
-    jax.debug.callback(_record_problem, code, expert, value, prev, tokens)
+    if a_kmajor:
+        multiple = 16 // np.dtype(x.dtype).itemsize  # gwgrad.offsets.token_count_multiple
+        code, expert, value, prev = _fp8_offsets_problem(offsets, tokens, multiple, None)
+        jax.debug.callback(_record_fp8_problem, code, expert, value, prev, tokens, multiple)
+    else:
+        code, expert, value, prev = _offsets_problem(offsets, tokens)
+        jax.debug.callback(_record_problem, code, expert, value, prev, tokens)
     end = jnp.clip(offsets, 0, tokens)
     begin = jnp.concatenate([jnp.zeros((1,), end.dtype), end[:-1]])
     end = jnp.maximum(end, begin)
@@ -191,8 +216,11 @@ def reference_wgrad(x, dy, offsets, out=None, *, out_dtype=jnp.bfloat16, accumul
     return jnp.where(code == 0, w, invalid_result).astype(out_dtype)
 
 
-def _cpu_lowering(ctx, x, dy, offsets, *out, out_dtype, accumulate):
-    fun = functools.partial(reference_wgrad, out_dtype=out_dtype, accumulate=accumulate)
+def _cpu_lowering(ctx, x, dy, offsets, *out, out_dtype, accumulate, a_kmajor=False,
+                  tiling=(None, None)):
+    # The tiling is the GPU kernels' (the entry points checked that some GPU runs it).
+    fun = functools.partial(reference_wgrad, out_dtype=out_dtype, accumulate=accumulate,
+                            a_kmajor=a_kmajor)
     return mlir.lower_fun(lambda *args: fun(*args), multiple_results=False)(
         ctx, x, dy, offsets, *out)
 
@@ -240,13 +268,15 @@ def _kernel_call(request, out_dtype, accumulate: bool, out_input: int, tokens_su
 
 
 @functools.lru_cache(maxsize=None)
-def _cutlass_call(shapes: Tuple, dtypes: Tuple, out_dtype, accumulate: bool, arch: str):
+def _cutlass_call(shapes: Tuple, dtypes: Tuple, out_dtype, accumulate: bool, arch: str,
+                  a_kmajor: bool = False, tiling: Tuple = (None, None)):
     """The cutlass_call for one static signature (built once per process)."""
     (x_shape, dy_shape, off_shape), (x_dtype, dy_dtype, off_dtype) = shapes, dtypes
     request = _spec(x_shape, x_dtype, dy_shape, dy_dtype, off_shape, off_dtype, out_dtype,
-                    accumulate, arch)
+                    accumulate, arch, a_kmajor, tiling)
     # Inputs x, dy, offsets [, out].
-    return _kernel_call(request, out_dtype, accumulate, 3, int(x_shape[0]))
+    tokens = int(x_shape[1] if a_kmajor else x_shape[0])
+    return _kernel_call(request, out_dtype, accumulate, 3, tokens)
 
 
 def _status_address() -> int:
@@ -257,13 +287,14 @@ def _status_address() -> int:
     return status.status_address(0)
 
 
-def _cuda_lowering(ctx, x, dy, offsets, *out, out_dtype, accumulate):
+def _cuda_lowering(ctx, x, dy, offsets, *out, out_dtype, accumulate, a_kmajor=False,
+                   tiling=(None, None)):
     avals = ctx.avals_in
     shapes = tuple(tuple(v.shape) for v in avals[:3])
     dtypes = tuple(np.dtype(v.dtype) for v in avals[:3])
     with shielded_argv():  # the CuTe DSL compiles here and reads sys.argv
         call = _cutlass_call(shapes, dtypes, np.dtype(out_dtype), accumulate,
-                             backends.detect_arch(0))
+                             backends.detect_arch(0), a_kmajor, tiling)
         return mlir.lower_fun(lambda *args: call(*args)[0], multiple_results=False)(
             ctx, x, dy, offsets, *out)
 
@@ -282,6 +313,13 @@ def _register_lowerings(prim, cpu_lowering, cuda_lowering) -> None:
 
 
 _register_lowerings(_wgrad_p, _cpu_lowering, _cuda_lowering)
+
+
+def _check_some_gpu_runs(spec: StaticSpec) -> None:
+    """A tiling the caller chose must be one some GPU kernel runs (the CPU reference's rule,
+    so that jitted code tested on the CPU does not fail on a GPU): ArgumentError naming it."""
+    if spec.mma_tiler_mn is not None or spec.cluster_shape_mn is not None:
+        backends.finalize_spec(dataclasses.replace(spec, arch="cpu"))
 
 
 # --- the entry point ------------------------------------------------------------------------
@@ -331,10 +369,11 @@ _FP8_OPERANDS = ("float8_e4m3fn", "float8_e5m2")
 
 @contextlib.contextmanager
 def _fp8_names() -> Iterator[None]:
-    """Re-raise the core's ArgumentErrors under wgrad_fp8's argument names."""
+    """Re-raise the core's ArgumentErrors (and UnsupportedErrors) under wgrad_fp8's argument
+    names."""
     try:
         yield
-    except ArgumentError as exc:
+    except NAMED_ERRORS as exc:
         renamed = exc.renamed(_FP8_NAMES)
         if renamed is exc:
             raise
@@ -370,7 +409,7 @@ def _row_major(shape) -> Tuple[int, ...]:
 
 def _fp8_spec(xt, dyt, offsets, x_scale, dy_scale, x_global_scale, dy_global_scale, *,
               scale_recipe: str, out_dtype, accumulate: bool,
-              arch: str) -> Tuple[StaticSpec, TensorDesc]:
+              arch: str, tiling: Tuple = (None, None)) -> Tuple[StaticSpec, TensorDesc]:
     """The static spec of a wgrad_fp8 call and the x_scale descriptor (its scale capacity),
     checked by the core (ArgumentError naming the argument). Every argument is a (shape,
     dtype) pair (``_signature``); the global scales may be None.
@@ -415,12 +454,13 @@ def _fp8_spec(xt, dyt, offsets, x_scale, dy_scale, x_global_scale, dy_global_sca
         spec = build_spec(a=a, b=b, offsets=off, sfa=sfa, sfb=sfb, global_scale_a=gsa,
                           global_scale_b=gsb, wgrad=wgrad, wgrad_dtype=out,
                           accumulate=accumulate, arch=arch, scale_recipe=scale_recipe,
-                          sf_vec_size=FP8_RECIPES[scale_recipe])
+                          sf_vec_size=FP8_RECIPES[scale_recipe], mma_tiler_mn=tiling[0],
+                          cluster_shape_mn=tiling[1])
     return spec, sfa
 
 
 def _fp8_abstract_eval(xt, dyt, offsets, x_scale, dy_scale, gx, gdy, *out, scale_recipe,
-                       out_dtype, accumulate):
+                       out_dtype, accumulate, tiling=(None, None)):
     shape = _fp8_dims(xt.shape, dyt.shape, offsets.shape)
     return _result_aval(shape, out_dtype, (xt, dyt, offsets, x_scale, dy_scale, gx, gdy, *out))
 
@@ -436,7 +476,7 @@ def _fp8_offsets_problem(offsets, tokens: int, multiple: int, capacity: Optional
     """(code, expert, value, previous) of the first problem, as gwgrad.offsets.find_problem
     (and the prep kernel) report it: a negative count, the last offset, a count not a
     multiple of ``multiple``, then (``capacity``: block_1x128's scale rows R) the first expert
-    whose scale rows end past R; code 0 when there is none."""
+    whose scale rows end past R; code 0 when there is none. (Also BF16's with a K-major A.)"""
     num = offsets.shape[0]
     prev = jnp.concatenate([jnp.zeros((1,), offsets.dtype), offsets[:-1]])
     index = jnp.arange(num, dtype=jnp.int32)
@@ -523,7 +563,7 @@ def reference_wgrad_fp8(xt, dyt, offsets, x_scale, dy_scale, x_global_scale=None
     return jnp.where(code == 0, w, invalid_result).astype(out_dtype)
 
 
-def _fp8_cpu_lowering(ctx, *args, scale_recipe, out_dtype, accumulate):
+def _fp8_cpu_lowering(ctx, *args, scale_recipe, out_dtype, accumulate, tiling=(None, None)):
     fun = functools.partial(reference_wgrad_fp8, scale_recipe=scale_recipe, out_dtype=out_dtype,
                             accumulate=accumulate)
     return mlir.lower_fun(lambda *a: fun(*a), multiple_results=False)(ctx, *args)
@@ -531,20 +571,20 @@ def _fp8_cpu_lowering(ctx, *args, scale_recipe, out_dtype, accumulate):
 
 @functools.lru_cache(maxsize=None)
 def _fp8_cutlass_call(signatures: Tuple, scale_recipe: str, out_dtype, accumulate: bool,
-                      arch: str):
+                      arch: str, tiling: Tuple = (None, None)):
     """The cutlass_call of one static wgrad_fp8 signature (built once per process)."""
     request, sfa = _fp8_spec(*signatures, scale_recipe=scale_recipe, out_dtype=out_dtype,
-                             accumulate=accumulate, arch=arch)
+                             accumulate=accumulate, arch=arch, tiling=tiling)
     # Inputs xt, dyt, offsets, x_scale, dy_scale, gx, gdy [, out].
     return _kernel_call(request, out_dtype, accumulate, 7, int(signatures[0][0][1]),
                         lambda spec: {"sf_capacity": scale_capacity(spec, sfa)})
 
 
-def _fp8_cuda_lowering(ctx, *args, scale_recipe, out_dtype, accumulate):
+def _fp8_cuda_lowering(ctx, *args, scale_recipe, out_dtype, accumulate, tiling=(None, None)):
     signatures = tuple(_signature(v) for v in ctx.avals_in[:7])
     with shielded_argv():  # the CuTe DSL compiles here and reads sys.argv
         call = _fp8_cutlass_call(signatures, scale_recipe, np.dtype(out_dtype), accumulate,
-                                 backends.detect_arch(0))
+                                 backends.detect_arch(0), tiling)
         return mlir.lower_fun(lambda *a: call(*a)[0], multiple_results=False)(ctx, *args)
 
 
@@ -554,6 +594,16 @@ _register_lowerings(_wgrad_fp8_p, _fp8_cpu_lowering, _fp8_cuda_lowering)
 def wgrad_fp8(xt, dyt, offsets, x_scale, dy_scale, *, scale_recipe: str, out=None,
               accumulate: bool = False, out_dtype=None, x_global_scale=None,
               dy_global_scale=None):
+    return _wgrad_fp8(xt, dyt, offsets, x_scale, dy_scale, scale_recipe=scale_recipe, out=out,
+                      accumulate=accumulate, out_dtype=out_dtype, x_global_scale=x_global_scale,
+                      dy_global_scale=dy_global_scale)
+
+
+def _wgrad_fp8(xt, dyt, offsets, x_scale, dy_scale, *, scale_recipe: str, out=None,
+               accumulate: bool = False, out_dtype=None, x_global_scale=None,
+               dy_global_scale=None, tiling: Tuple = (None, None)):
+    """``wgrad_fp8`` with a ``tiling`` (mma_tiler_mn, cluster_shape_mn), None each for the
+    backend's choice."""
     check_accumulate(accumulate, out)
     if out is not None and not accumulate:
         raise ArgumentError("out", "expected None unless accumulate=True (JAX arrays are "
@@ -569,12 +619,16 @@ def wgrad_fp8(xt, dyt, offsets, x_scale, dy_scale, *, scale_recipe: str, out=Non
     gx = None if x_global_scale is None else jnp.asarray(x_global_scale)
     gdy = None if dy_global_scale is None else jnp.asarray(dy_global_scale)
     # The contract's checks at trace time, so a bad call fails where it is written.
-    _fp8_spec(*(_signature(v) for v in (xt, dyt, offsets, x_scale, dy_scale, gx, gdy)),
-              scale_recipe=scale_recipe, out_dtype=out_dtype, accumulate=accumulate, arch="")
+    spec, _ = _fp8_spec(*(_signature(v) for v in (xt, dyt, offsets, x_scale, dy_scale, gx, gdy)),
+                        scale_recipe=scale_recipe, out_dtype=out_dtype, accumulate=accumulate,
+                        arch="", tiling=tiling)
+    _check_some_gpu_runs(spec)
     experts, hidden, inter = _fp8_dims(xt.shape, dyt.shape, offsets.shape)
     if gx is None:  # one kernel signature: no global scales are ones (the same results)
         gx = gdy = jnp.ones((experts,), jnp.float32)
     params = dict(scale_recipe=scale_recipe, out_dtype=out_dtype)
+    if tiling != (None, None):  # checked: tuples now
+        params["tiling"] = (spec.mma_tiler_mn, spec.cluster_shape_mn)
     if out is not None:
         out = jnp.asarray(out)
         if tuple(out.shape) != (experts, hidden, inter):
@@ -885,6 +939,195 @@ def quantize(x, offsets, fmt: str, *, elem=None):
     if lay.scale_dtype in _SCALE_DTYPES:
         scales = jax.lax.bitcast_convert_type(scales, _SCALE_DTYPES[lay.scale_dtype])
     return data, scales, (outs[2] if lay.global_shape is not None else None)
+
+
+# --- cuDNN frontend's JAX entry point ---------------------------------------------------------
+
+#: What the calls below name an argument -> cuDNN's name for it (``wgrad``'s and
+#: ``wgrad_fp8``'s own names, and the core's as they rename them).
+_CUDNN_NAMES = {
+    **{adapter: core for core, adapter in NAMES.items()},
+    **{adapter: core for core, adapter in _FP8_NAMES.items()},
+    "x": "a_tensor", "dy": "b_tensor", "xt": "a_tensor", "dyt": "b_tensor",
+    "offsets": "offsets_tensor", "x_scale": "sfa_tensor", "dy_scale": "sfb_tensor",
+    "x_global_scale": "global_scale_a", "dy_global_scale": "global_scale_b",
+    "out_dtype": "wgrad_dtype",
+}
+
+#: cuDNN's JAX entry's ``sf_vec_size`` default; FP32 scale recipes and BF16 do not use it.
+_CUDNN_JAX_SF_VEC = 32
+
+
+def _register_tuple_dict() -> None:
+    """gwgrad's ``TupleDict`` as a JAX pytree (keys static, values leaves), as cuDNN registers
+    its own: a jitted function may return the entry's result as it is."""
+    from gwgrad.api import TupleDict
+
+    try:
+        jax.tree_util.register_pytree_node(
+            TupleDict, lambda value: (tuple(dict.values(value)), tuple(dict.keys(value))),
+            lambda keys, values: TupleDict(zip(keys, values)))
+    except ValueError:  # registered already (this module imported twice)
+        pass
+
+
+_register_tuple_dict()
+
+
+def grouped_gemm_wgrad_jax_sm100(
+    a_tensor: Any,
+    b_tensor: Any,
+    offsets_tensor: Any,
+    wgrad_ptrs: Any = None,
+    wgrad_dtype: Any = DType.BFLOAT16,
+    acc_dtype: Any = DType.FLOAT32,
+    mma_tiler_mn: Optional[Tuple[int, int]] = None,
+    cluster_shape_mn: Optional[Tuple[int, int]] = None,
+    accumulate_on_output: bool = False,
+    input_order: str = "tensor2d",
+    *,
+    sfa_tensor: Any = None,
+    sfb_tensor: Any = None,
+    global_scale_a: Any = None,
+    global_scale_b: Any = None,
+    sf_vec_size: int = _CUDNN_JAX_SF_VEC,
+    scale_recipe: Optional[str] = None,
+):
+    """cuDNN frontend 1.32's ``grouped_gemm_wgrad_jax_sm100`` on gwgrad's JAX adapter: an XLA
+    custom call on CUDA (SM90 and SM100), the jnp reference on the CPU; eager or under
+    ``jax.jit``, no host synchronization.
+
+    ``a_tensor`` (hidden, tokens) and ``b_tensor`` (tokens, intermediate) are row-major JAX
+    arrays, as cuDNN takes them (A K-major, B N-major); ``offsets_tensor`` int32
+    (num_experts,), the cumulative token counts (checked on the device: see
+    ``gwgrad.check_errors()``). Returns ``TupleDict(wgrad_tensor=W)``, W (num_experts,
+    hidden, intermediate) of ``wgrad_dtype`` (bfloat16, float16 or float32; default
+    bfloat16); experts without tokens come back zero.
+
+    * BF16 operands, no scale tensors: the dense output, read in place (no transposes).
+    * FP8 operands (e4m3 / e5m2, may differ) with float32 ``sfa_tensor`` / ``sfb_tensor``:
+      gwgrad's FP32 scale recipes, named by ``scale_recipe`` ("per_expert_channel":
+      (num_experts, hidden) / (num_experts, intermediate); "block_1x128": (R, hidden) / (R,
+      intermediate)), with optional ``global_scale_a`` / ``global_scale_b`` (num_experts,);
+      SM90 GPUs (the CPU runs the reference). Hopper's FP8 kernel reads token-contiguous B,
+      so ``b_tensor`` is transposed by XLA first (one copy of B); ``sf_vec_size`` is 32 (the
+      default, unused) or the recipe's tokens per scale.
+
+    Not implemented (``NotImplementedError``, gwgrad.errors.UnsupportedError, naming the
+    argument): ``wgrad_ptrs`` (cuDNN's discrete output, written through raw per-expert
+    addresses outside XLA's buffers: gwgrad's custom call returns its output as an XLA array;
+    pass None for the dense ``wgrad_tensor``, or run discrete output with
+    ``gwgrad.grouped_gemm_wgrad_wrapper_sm100`` on torch / CuPy arrays); E8M0 / E4M3
+    ``sfa_tensor`` (MXFP8, NVFP4, MXFP4: the adapter has no block-scaled custom call; the
+    wrapper runs them on torch / CuPy arrays); ``input_order="tensor_ragged"`` (likewise).
+    ``accumulate_on_output=True`` is a ValueError, as in cuDNN: there is no output argument to
+    add into (``gwgrad.adapters.jax.wgrad(..., out=, accumulate=True)`` adds in place).
+    ``mma_tiler_mn`` / ``cluster_shape_mn``: None each for gwgrad's choice per architecture
+    (cuDNN's default, (256, 256), is the SM100 kernel's; SM90 has no 256-row tile), else a
+    tiling some GPU kernel runs. ``scale_recipe`` is gwgrad's addition (cuDNN's JAX entry takes
+    no FP32 scale factors).
+    """
+    try:
+        return _cudnn_jax_call(a_tensor, b_tensor, offsets_tensor, wgrad_ptrs, wgrad_dtype,
+                               acc_dtype, mma_tiler_mn, cluster_shape_mn, accumulate_on_output,
+                               input_order, sfa_tensor, sfb_tensor, global_scale_a,
+                               global_scale_b, sf_vec_size, scale_recipe)
+    except NAMED_ERRORS as exc:
+        renamed = exc.renamed(_CUDNN_NAMES)
+        if renamed is exc:
+            raise
+        raise renamed from None
+
+
+def _cudnn_jax_call(a_tensor, b_tensor, offsets_tensor, wgrad_ptrs, wgrad_dtype, acc_dtype,
+                    mma_tiler_mn, cluster_shape_mn, accumulate_on_output, input_order,
+                    sfa_tensor, sfb_tensor, global_scale_a, global_scale_b, sf_vec_size,
+                    scale_recipe):
+    from gwgrad.api import TupleDict
+    from gwgrad.errors import UnsupportedError
+    from gwgrad.spec import INPUT_ORDERS
+
+    acc = DType.FLOAT32 if acc_dtype is None else as_dtype(acc_dtype, "acc_dtype")
+    if acc != DType.FLOAT32:
+        raise ArgumentError("acc_dtype", f"expected float32 (the kernels accumulate in FP32), "
+                                         f"got {acc}")
+    out = as_dtype(DType.BFLOAT16 if wgrad_dtype is None else wgrad_dtype, "wgrad_dtype")
+    out_dtype = np.dtype(jnp.dtype(out.value))
+    if not isinstance(accumulate_on_output, bool):
+        raise ArgumentError("accumulate_on_output", f"expected a bool, got "
+                                                    f"{accumulate_on_output!r}")
+    if accumulate_on_output:
+        raise ArgumentError("accumulate_on_output", "expected False: the JAX entry returns a new "
+                            "wgrad_tensor and takes no output to add into "
+                            "(gwgrad.adapters.jax.wgrad(x, dy, offsets, out=..., "
+                            "accumulate=True) adds in place), got True")
+    order = getattr(input_order, "value", input_order)
+    if order not in INPUT_ORDERS:
+        raise ArgumentError("input_order", f"expected 'tensor2d' or 'tensor_ragged', got "
+                                           f"{input_order!r}")
+    if order == "tensor_ragged":
+        raise UnsupportedError(
+            "input_order", "'tensor_ragged' (per-expert K-contiguous blocks) is not implemented "
+            "in gwgrad's JAX custom call, which reads tensor2d operands; "
+            "gwgrad.grouped_gemm_wgrad_wrapper_sm100 runs it on torch / CuPy arrays")
+    if wgrad_ptrs is not None:
+        raise UnsupportedError(
+            "wgrad_ptrs", "discrete output through raw per-expert addresses is not implemented "
+            "in gwgrad's JAX custom call, which returns its output as an XLA array: pass "
+            "wgrad_ptrs=None for the dense (num_experts, hidden, intermediate) wgrad_tensor, or "
+            "run discrete output with gwgrad.grouped_gemm_wgrad_wrapper_sm100 "
+            "(output_mode='discrete') on torch / CuPy arrays")
+    x, dy, offsets = jnp.asarray(a_tensor), jnp.asarray(b_tensor), jnp.asarray(offsets_tensor)
+    for name, arr, ndim, dims in (("a_tensor", x, 2, "(hidden, tokens_sum)"),
+                                  ("b_tensor", dy, 2, "(tokens_sum, intermediate)"),
+                                  ("offsets_tensor", offsets, 1, "(num_experts,)")):
+        if arr.ndim != ndim:
+            raise ArgumentError(name, f"expected {ndim} dims {dims}, got shape {arr.shape}")
+    tiling = (mma_tiler_mn, cluster_shape_mn)
+
+    if sfa_tensor is None:  # BF16
+        for name, value in (("sfb_tensor", sfb_tensor), ("global_scale_a", global_scale_a),
+                            ("global_scale_b", global_scale_b), ("scale_recipe", scale_recipe)):
+            if value is not None:
+                raise ArgumentError(name, "expected None without sfa_tensor (bfloat16 inputs "
+                                          "take no scale controls), got "
+                                          f"{getattr(value, 'shape', value)!r}")
+        if sf_vec_size not in (16, _CUDNN_JAX_SF_VEC):
+            raise ArgumentError("sf_vec_size", f"expected 32 (the default) or 16 for bfloat16 "
+                                               f"inputs (BF16 takes no scale controls), got "
+                                               f"{sf_vec_size!r}")
+        spec = _spec(x.shape, x.dtype, dy.shape, dy.dtype, offsets.shape, offsets.dtype,
+                     out_dtype, False, "", a_kmajor=True, tiling=tiling)
+        _check_some_gpu_runs(spec)
+        params = dict(out_dtype=out_dtype, accumulate=False, a_kmajor=True)
+        if tiling != (None, None):  # checked: tuples now
+            params["tiling"] = (spec.mma_tiler_mn, spec.cluster_shape_mn)
+        return TupleDict(wgrad_tensor=_wgrad_p.bind(x, dy, offsets, **params))
+
+    sfa = jnp.asarray(sfa_tensor)
+    if np.dtype(sfa.dtype) != np.float32:
+        raise UnsupportedError(
+            "sfa_tensor", f"{np.dtype(sfa.dtype)} scale factors (the blocked recipe: MXFP8, "
+            "NVFP4, MXFP4) are not implemented in gwgrad's JAX custom call; "
+            "gwgrad.grouped_gemm_wgrad_wrapper_sm100 runs them on torch / CuPy arrays (MXFP8 on "
+            "SM90 and SM100 GPUs, NVFP4 / MXFP4 on SM100 GPUs). From JAX: FP8 with float32 "
+            "scale factors (scale_recipe 'per_expert_channel' or 'block_1x128')")
+    if scale_recipe not in FP8_RECIPES:
+        raise ArgumentError("scale_recipe", f"expected one of {sorted(FP8_RECIPES)} for float32 "
+                                            f"scale factors, got {scale_recipe!r}")
+    if sf_vec_size not in (_CUDNN_JAX_SF_VEC, FP8_RECIPES[scale_recipe]):
+        raise ArgumentError("sf_vec_size", f"expected 32 (the default) or "
+                                           f"{FP8_RECIPES[scale_recipe]} for {scale_recipe}, got "
+                                           f"{sf_vec_size!r}")
+    # Hopper's FP8 WGMMA reads K-major operands: B (tokens, intermediate) row-major is
+    # N-major, so it goes in as its transpose, (intermediate, tokens) (one XLA copy).
+    if sfb_tensor is None:
+        raise ArgumentError("sfb_tensor", "expected a tensor like sfa_tensor (scale factors come "
+                                          "in pairs), got None")
+    w = _wgrad_fp8(x, dy.T, offsets, sfa, sfb_tensor, scale_recipe=scale_recipe,
+                   out_dtype=out_dtype, x_global_scale=global_scale_a,
+                   dy_global_scale=global_scale_b, tiling=tiling)
+    return TupleDict(wgrad_tensor=w)
 
 
 # --- example: a grouped expert linear layer whose weight gradient is gwgrad's ---------------

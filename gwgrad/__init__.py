@@ -35,12 +35,13 @@ from .api import (  # noqa: E402
     TupleDict,
     cache_info,
     clear_cache,
+    get_grouped_gemm_wgrad_workspace_size_sm100,
     grouped_gemm_wgrad,
     grouped_gemm_wgrad_wrapper_sm100,
 )
 from .backends.base import Backend, LaunchArgs  # noqa: E402
 from .dtypes import DType  # noqa: E402
-from .errors import ArgumentError  # noqa: E402
+from .errors import ArgumentError, UnsupportedError  # noqa: E402
 from .interop import as_tensor_desc, from_dlpack  # noqa: E402
 from .offsets import token_count_multiple  # noqa: E402
 from .plan import LaunchPlan, plan_for  # noqa: E402
@@ -54,12 +55,14 @@ __all__ = [
     "grouped_gemm_wgrad",
     "GroupedGemmWgradSm100",
     "grouped_gemm_wgrad_wrapper_sm100",
+    "get_grouped_gemm_wgrad_workspace_size_sm100",
     "TupleDict",
     "LaunchPlan",
     "plan_for",
     "check_errors",
     "quantize",
     "ArgumentError",
+    "UnsupportedError",
     "TensorDesc",
     "as_tensor_desc",
     "from_dlpack",
@@ -73,3 +76,13 @@ __all__ = [
     "clear_cache",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # cuDNN frontend's JAX entry, imported on first use: importing gwgrad never imports JAX
+    # (so it is not in __all__, which ``from gwgrad import *`` would import it through).
+    if name == "grouped_gemm_wgrad_jax_sm100":
+        from .adapters.jax import grouped_gemm_wgrad_jax_sm100
+
+        return grouped_gemm_wgrad_jax_sm100
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

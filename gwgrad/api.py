@@ -5,7 +5,10 @@
 three tiers of ``gwgrad.plan``: a call signature is checked once and bound to a compiled
 operator (its ``LaunchPlan``); every later call with that signature only describes its
 tensors, finds the plan, allocates a missing output and launches, without synchronizing.
-``GroupedGemmWgradSm100`` and ``grouped_gemm_wgrad_wrapper_sm100`` are the contract's names.
+``GroupedGemmWgradSm100`` and ``grouped_gemm_wgrad_wrapper_sm100`` are the contract's names;
+they take every argument of cuDNN frontend 1.32's (``sf_fp8_dtype_override``,
+``descriptor_workspace``), and ``get_grouped_gemm_wgrad_workspace_size_sm100`` sizes a
+caller-owned workspace with cuDNN's signature.
 """
 
 from __future__ import annotations
@@ -15,14 +18,15 @@ from typing import Any, Optional, Sequence, Tuple
 
 from . import backends, interop, plan as plans
 from .dtypes import DType
-from .errors import ArgumentError
-from .plan import LaunchPlan, cache_info, clear_cache
+from .errors import NAMED_ERRORS, ArgumentError, UnsupportedError
+from .plan import LaunchPlan, cache_info, clear_cache, workspace_bytes_bound
 from .spec import StaticSpec
 from .tensors import TensorDesc
 from .validation import build_spec, check_output_stack, operand_dims
 
 __all__ = ["TupleDict", "GroupedGemmWgrad", "grouped_gemm_wgrad", "GroupedGemmWgradSm100",
-           "grouped_gemm_wgrad_wrapper_sm100", "cache_info", "clear_cache"]
+           "grouped_gemm_wgrad_wrapper_sm100", "get_grouped_gemm_wgrad_workspace_size_sm100",
+           "cache_info", "clear_cache"]
 
 _describe = interop.as_tensor_desc
 
@@ -47,6 +51,71 @@ _SAMPLE_NAMES = {"a_tensor": "sample_a", "b_tensor": "sample_b", "sfa_tensor": "
                  "global_scale_b": "sample_global_scale_b"}
 
 
+#: cuDNN frontend's ``sf_fp8_dtype_override`` values: None (the scale tensors' dtype says what
+#: they hold) or "e5m3" (NVFP4 scale bytes that are UE5M3, not E4M3; cuDNN reads them on Rubin).
+SF_FP8_DTYPE_OVERRIDES = (None, "e5m3")
+
+
+def _check_sf_override(value: Any, a_dtype: DType, sf_dtype: Optional[DType]) -> None:
+    """The rules of ``sf_fp8_dtype_override`` a call can break whatever the architecture
+    (ArgumentError): a value other than None / "e5m3", or "e5m3" with scale factors that are
+    not NVFP4's E4M3 bytes (BF16 takes no scale controls at all)."""
+    if value is None:
+        return
+    if not isinstance(value, str) or value not in SF_FP8_DTYPE_OVERRIDES:
+        raise ArgumentError("sf_fp8_dtype_override", f"expected None or 'e5m3', got {value!r}")
+    if a_dtype == DType.BFLOAT16:
+        raise ArgumentError("sf_fp8_dtype_override", "expected None for bfloat16 inputs (BF16 "
+                            f"takes no scale controls), got {value!r}")
+    if a_dtype != DType.FLOAT4_E2M1FN_X2 or sf_dtype != DType.FLOAT8_E4M3FN:
+        raise ArgumentError("sf_fp8_dtype_override", "expected None unless the inputs are NVFP4 "
+                            "(float4_e2m1fn_x2 operands, float8_e4m3fn scale factors: 'e5m3' "
+                            f"reinterprets those bytes), got {value!r} with {a_dtype} operands "
+                            f"and {sf_dtype} scale factors")
+
+
+def _sf_override_unsupported(value: Any, arch: str) -> None:
+    """'e5m3' (after ``_check_sf_override``): no kernel of gwgrad reads UE5M3 scale bytes, on
+    any architecture or on the CPU."""
+    if value is not None:
+        raise UnsupportedError(
+            "sf_fp8_dtype_override", f"{value!r} (UE5M3 scale factors) needs a kernel that reads "
+            "UE5M3 scale bytes: gwgrad's kernels and its CPU reference read E4M3 (NVFP4) and "
+            "E8M0 (MXFP8, MXFP4) scale factors only (cuDNN frontend reads UE5M3 on Rubin, "
+            f"SM107, GPUs); this is {arch or 'unknown'}", arch=arch, needs=())
+
+
+def get_grouped_gemm_wgrad_workspace_size_sm100(
+    num_experts: int,
+    *,
+    output_mode: str = "dense",
+    input_order: str = "tensor2d",
+) -> int:
+    """Bytes of device workspace that serve any call with ``num_experts`` experts and this
+    output mode, on every architecture and format (cuDNN frontend's signature and meaning:
+    the size of a caller-owned ``descriptor_workspace``). Computed on the host: no GPU, no
+    CuTe DSL. ``input_order`` is checked and does not change the size. A compiled operator's
+    own need (``GroupedGemmWgrad.workspace_bytes``) is at most this.
+
+    The workspace holds the experts' token ranges and order and their TMA descriptors, which
+    every launch's prep work writes before its tiles read them. Zeroing rule: its first
+    ``gwgrad.plan.WORKSPACE_ZEROED_BYTES`` (16) bytes must be zero before the first launch that
+    uses it (a single-launch kernel's prep hand-off counters); every launch leaves them zero,
+    so a workspace zero-filled once (e.g. ``torch.zeros``) serves every later launch on one
+    stream. Other bytes may hold anything (as in the workspaces gwgrad allocates itself).
+    """
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
+        raise ArgumentError("num_experts", f"expected a positive int, got {num_experts!r}")
+    from .spec import INPUT_ORDERS, OUTPUT_MODES
+
+    if getattr(output_mode, "value", output_mode) not in OUTPUT_MODES:
+        raise ArgumentError("output_mode", f"expected 'dense' or 'discrete', got {output_mode!r}")
+    if getattr(input_order, "value", input_order) not in INPUT_ORDERS:
+        raise ArgumentError("input_order", f"expected 'tensor2d' or 'tensor_ragged', got "
+                            f"{input_order!r}")
+    return workspace_bytes_bound(num_experts, getattr(output_mode, "value", output_mode))
+
+
 class GroupedGemmWgrad:
     """A grouped weight-gradient operator compiled for one static spec.
 
@@ -56,7 +125,14 @@ class GroupedGemmWgrad:
     ``wgrad_ptrs`` (or a stacked ``wgrad_tensor`` to build them from). ``tokens_sum`` and
     the offsets values may change from call to call (a tiling left to gwgrad is chosen for
     ``sample_a``'s tokens_sum, and runs any other). ``scale_recipe``: as for
-    ``grouped_gemm_wgrad`` (block-scaled inputs; gwgrad/scales.py).
+    ``grouped_gemm_wgrad`` (block-scaled inputs; gwgrad/scales.py). ``sf_fp8_dtype_override``:
+    cuDNN's; None, or "e5m3" (NVFP4 only), which ``check_support()`` refuses with
+    ``UnsupportedError`` (no kernel of gwgrad reads UE5M3 scale factors).
+
+    Errors: arguments no kernel runs raise ``ArgumentError`` (a ValueError) here; a call this
+    architecture cannot run but another can raises ``UnsupportedError`` (a
+    NotImplementedError) from ``check_support()`` (gwgrad/errors.py), as cuDNN's callers
+    expect (``except (ValueError, NotImplementedError)`` around ``check_support()``).
     """
 
     def __init__(
@@ -77,6 +153,7 @@ class GroupedGemmWgrad:
         mma_tiler_mn: Optional[Tuple[int, int]] = None,
         cluster_shape_mn: Optional[Tuple[int, int]] = None,
         sf_vec_size: int = 16,
+        sf_fp8_dtype_override: Optional[str] = None,
         accumulate_on_output: bool = False,
         input_order: str = "tensor2d",
         *,
@@ -114,9 +191,11 @@ class GroupedGemmWgrad:
                 acc_dtype=acc_dtype, mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn,
                 sf_vec_size=sf_vec_size, accumulate=accumulate_on_output, input_order=input_order,
                 scale_recipe=scale_recipe)
-        except ArgumentError as exc:
+            _check_sf_override(sf_fp8_dtype_override, request.a_dtype, request.sf_dtype)
+        except NAMED_ERRORS as exc:
             raise exc.renamed(_SAMPLE_NAMES) from None
         self._request = request
+        self.sf_fp8_dtype_override = sf_fp8_dtype_override
         self._device_id = t["a_tensor"].device_id
         # The default tiling is chosen for the sample's tokens (it runs any tokens_sum).
         self._sample_tokens = operand_dims(t["a_tensor"], "a_tensor", "a", request.a_major)[1]
@@ -136,13 +215,20 @@ class GroupedGemmWgrad:
         return self._backend
 
     def check_support(self) -> bool:
-        """Pick the backend and tiling; raise ValueError / RuntimeError if unsupported.
-        Returning True means ``compile()`` succeeds."""
+        """Pick the backend and tiling. Raises ``UnsupportedError`` (a NotImplementedError)
+        when this architecture cannot run the operator but another can (naming the argument
+        and that architecture), ``ArgumentError`` (a ValueError) for a tiling the kernel does
+        not run, ``RuntimeError`` without CUDA. Returning True means ``compile()`` succeeds."""
         if self._spec is None:
             request = self._request
-            if not request.arch:
-                request = dataclasses.replace(request, arch=backends.detect_arch(self._device_id))
-            self._spec, self._backend = backends.finalize_spec(request, self._sample_tokens)
+            try:
+                if not request.arch:
+                    request = dataclasses.replace(request,
+                                                  arch=backends.detect_arch(self._device_id))
+                _sf_override_unsupported(self.sf_fp8_dtype_override, request.arch)
+                self._spec, self._backend = backends.finalize_spec(request, self._sample_tokens)
+            except NAMED_ERRORS as exc:
+                raise exc.renamed(_SAMPLE_NAMES) from None
         return True
 
     def compile(self) -> None:
@@ -152,8 +238,13 @@ class GroupedGemmWgrad:
 
     @property
     def workspace_bytes(self) -> int:
-        """Device workspace one launch needs (known once compiled; 0 for the reference)."""
-        return self._operator.workspace_bytes if self._operator is not None else 0
+        """Bytes of device workspace one launch needs, the least a ``descriptor_workspace``
+        may hold (0 for CPU arrays): the compiled kernel's, else (before ``compile()``) the
+        backend's for the spec (``check_support()`` runs first when it has not)."""
+        if self._operator is not None:
+            return self._operator.workspace_bytes
+        self.check_support()
+        return 0 if self._spec.is_cpu else self._backend.workspace_bytes(self._spec)
 
     def execute(
         self,
@@ -168,9 +259,18 @@ class GroupedGemmWgrad:
         global_scale_b: Any = None,
         current_stream: Any = None,
         *,
+        descriptor_workspace: Any = None,
         validate_offsets: Optional[bool] = None,
     ) -> None:
-        """Enqueue one call on ``current_stream`` (None: the framework's current stream)."""
+        """Enqueue one call on ``current_stream`` (None: the framework's current stream).
+
+        ``descriptor_workspace``: cuDNN's; a caller-owned device array of at least
+        ``workspace_bytes`` bytes (``get_grouped_gemm_wgrad_workspace_size_sm100`` bytes
+        always suffice), contiguous, on the operands' device, 128-byte aligned, with its first
+        ``gwgrad.plan.WORKSPACE_ZEROED_BYTES`` bytes zero before its first launch (every launch
+        leaves them zero). The caller keeps it alive, and away from other work, until the
+        launch completes on ``current_stream``. None: gwgrad provides one (the framework's
+        allocator, else gwgrad's per-stream workspace). CPU arrays need none."""
         if self._operator is None:
             raise RuntimeError(f"{type(self).__name__}: call compile() before execute()")
         tensors = (a_tensor, b_tensor, offsets_tensor, wgrad_tensor, wgrad_ptrs, sfa_tensor,
@@ -184,8 +284,10 @@ class GroupedGemmWgrad:
         stream = _stream(current_stream, plan)
         out = _output(plan, quick, wgrad_tensor, stream)
         validate = self.validate_offsets if validate_offsets is None else validate_offsets
+        workspace = (_workspace(plan, stream) if descriptor_workspace is None
+                     else _caller_workspace(plan, descriptor_workspace))
         plan.launch(quick[0][0], quick[1][0], quick[2][0], _out_address(plan, quick, out),
-                    stream=stream, workspace=_workspace(plan, stream), validate_offsets=validate,
+                    stream=stream, workspace=workspace, validate_offsets=validate,
                     scales=_scales(plan, quick))
 
     def _plan(self, tensors) -> LaunchPlan:
@@ -282,6 +384,34 @@ def _workspace(plan: LaunchPlan, stream: int) -> int:
     return interop.framework("torch").workspace(plan.device_id, stream, plan.workspace_bytes)
 
 
+def _caller_workspace(plan: LaunchPlan, workspace: Any) -> int:
+    """The address of a caller's ``descriptor_workspace`` for ``plan`` (0 for the reference,
+    which needs none), after the checks its use needs (ArgumentError naming it)."""
+    desc = _describe(workspace, "descriptor_workspace")
+    if not plan.is_cuda:
+        return 0
+    need = plan.workspace_bytes
+    if not desc.is_cuda or desc.device_id != plan.device_id:
+        raise ArgumentError("descriptor_workspace", f"expected a tensor on cuda:{plan.device_id} "
+                            f"like a_tensor, got a tensor on {desc.device}")
+    if not desc.is_contiguous():
+        raise ArgumentError("descriptor_workspace", f"expected a contiguous tensor, got shape "
+                            f"{desc.shape} strides {desc.strides}")
+    if desc.read_only:
+        raise ArgumentError("descriptor_workspace", "expected a writable tensor, got a "
+                            "read-only one")
+    nbytes = desc.numel * desc.dtype.itemsize
+    if nbytes < need:
+        raise ArgumentError("descriptor_workspace", f"expected at least {need} bytes (this "
+                            "operator's workspace_bytes; get_grouped_gemm_wgrad_workspace_size_"
+                            f"sm100({plan.spec.num_experts}, output_mode="
+                            f"{plan.spec.output_mode!r}) bytes always suffice), got {nbytes}")
+    if need and desc.ptr % 128:
+        raise ArgumentError("descriptor_workspace", f"expected a 128-byte aligned base address, "
+                            f"got {desc.ptr:#x}")
+    return desc.ptr
+
+
 def grouped_gemm_wgrad(
     a_tensor: Any,
     b_tensor: Any,
@@ -298,10 +428,12 @@ def grouped_gemm_wgrad(
     mma_tiler_mn: Optional[Sequence[int]] = None,
     cluster_shape_mn: Optional[Sequence[int]] = None,
     sf_vec_size: int = 16,
+    sf_fp8_dtype_override: Optional[str] = None,
     accumulate_on_output: bool = False,
     input_order: str = "tensor2d",
     current_stream: Any = None,
     *,
+    descriptor_workspace: Any = None,
     validate_offsets: bool = False,
     scale_recipe: Optional[str] = None,
 ) -> TupleDict:
@@ -312,6 +444,10 @@ def grouped_gemm_wgrad(
     given output's dtype, else bfloat16. With ``accumulate_on_output=True`` an output must be
     given (there is nothing to add into otherwise).
 
+    Errors: ``ArgumentError`` (a ValueError) for arguments no kernel runs, ``UnsupportedError``
+    (a NotImplementedError) for a call this architecture cannot run but another can,
+    ``RuntimeError`` for an unusable environment (gwgrad/errors.py).
+
     Offsets: every CUDA launch checks them on the device, without synchronizing; invalid
     offsets make the kernel write nothing, and the ``ValueError`` naming ``offsets_tensor``
     comes from ``gwgrad.check_errors()`` or the next gwgrad call (see gwgrad.status).
@@ -321,7 +457,19 @@ def grouped_gemm_wgrad(
     Block-scaled inputs: ``scale_recipe`` says what ``sfa_tensor`` / ``sfb_tensor`` hold
     (gwgrad/scales.py): None or "blocked" for FP8 (E8M0 / E4M3) scale factors, and
     "per_expert_channel" or "block_1x128" for FP32 ones.
+
+    cuDNN frontend 1.32's arguments: ``sf_fp8_dtype_override`` None, or "e5m3" (NVFP4 only),
+    which raises ``UnsupportedError`` (no kernel of gwgrad reads UE5M3 scale factors);
+    ``descriptor_workspace`` a caller-owned workspace, as for ``GroupedGemmWgrad.execute``
+    (sized by ``get_grouped_gemm_wgrad_workspace_size_sm100``; every backend takes one).
     """
+    if sf_fp8_dtype_override is not None:
+        a, sfa = _describe(a_tensor, "a_tensor"), _describe(sfa_tensor, "sfa_tensor")
+        if a is None:
+            raise ArgumentError("a_tensor", "expected a tensor, got None")
+        _check_sf_override(sf_fp8_dtype_override, a.dtype, None if sfa is None else sfa.dtype)
+        _sf_override_unsupported(sf_fp8_dtype_override,
+                                 backends.detect_arch(a.device_id) if a.is_cuda else "cpu")
     if accumulate_on_output and wgrad_tensor is None and wgrad_ptrs is None:
         raise ArgumentError("wgrad_tensor", "expected an initialized output to accumulate into "
                             "(accumulate_on_output=True adds to it), got None")
@@ -362,9 +510,10 @@ def grouped_gemm_wgrad(
             out = desc
     else:
         out = _output(plan, quick, wgrad_tensor, stream)
+    workspace = (_workspace(plan, stream) if descriptor_workspace is None
+                 else _caller_workspace(plan, descriptor_workspace))
     plan.launch(quick[0][0], quick[1][0], quick[2][0], _out_address(plan, quick, out),
-                stream=stream,
-                workspace=_workspace(plan, stream), validate_offsets=validate_offsets,
+                stream=stream, workspace=workspace, validate_offsets=validate_offsets,
                 scales=_scales(plan, quick))
     return TupleDict(wgrad_tensor=result)
 

@@ -62,6 +62,11 @@ _ALIASES = {
     "e5m2": DType.FLOAT8_E5M2,
     "e8m0": DType.FLOAT8_E8M0FNU,
     "nvfp4": DType.FLOAT4_E2M1FN_X2,
+    # The CuTe DSL's type names, lowercased (cutlass.Float8E4M3FN, ...).
+    "float8e4m3fn": DType.FLOAT8_E4M3FN,
+    "float8e5m2": DType.FLOAT8_E5M2,
+    "float8e8m0fnu": DType.FLOAT8_E8M0FNU,
+    "float4e2m1fn": DType.FLOAT4_E2M1FN_X2,
 }
 _BY_NAME = {d.value: d for d in DType}
 
@@ -78,6 +83,8 @@ def as_dtype(obj, name: str = "dtype") -> DType:
         text = obj.lower()
     elif type(obj).__module__.startswith("torch"):
         text = str(obj).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
+    elif getattr(obj, "__module__", "").startswith("cutlass"):
+        text = getattr(obj, "__name__", "").lower()  # the CuTe DSL's cutlass.BFloat16 (cuDNN's)
     else:
         try:
             import numpy as np

@@ -31,7 +31,8 @@ from .tensors import TensorDesc
 from .validation import build_spec, check_call, operand_dims, scale_capacity
 
 __all__ = ["CompiledOperator", "LaunchPlan", "PlanCache", "compile_spec", "plan_for",
-           "plan_for_spec", "cache_info", "clear_cache"]
+           "plan_for_spec", "cache_info", "clear_cache", "workspace_bytes_bound",
+           "WORKSPACE_ZEROED_BYTES"]
 
 class PlanCache:
     """Plans by call signature, the oldest first out past ``maxsize``.
@@ -133,6 +134,25 @@ def compile_spec(request: StaticSpec, tokens_sum: Optional[int] = None) -> Compi
 #: Leading workspace bytes that must be zero before a launch on a fresh workspace: the prep
 #: hand-off counters of single-launch kernels (kernels/common.py); every launch leaves them zero.
 WORKSPACE_ZEROED_BYTES = 16
+
+#: The workspace layout of kernels/common.py (ProblemConfig), restated without the DSL: a
+#: block of counters, then per expert int32 words (token range: 2, rank order: 1, the scale
+#: recipes' first scale column / row: 1), padded to a descriptor, then per expert one 128-byte
+#: TMA descriptor for A, B, the discrete output, SFA and SFB. (The K split's and the hybrid
+#: schedule's tables, tuning that no public entry point selects, are not counted.)
+_COUNTER_BYTES = 128
+_DESC_BYTES = 128
+_WORDS_PER_EXPERT = 4
+_MAX_DESC_SLOTS = {"dense": 4, "discrete": 5}
+
+
+def workspace_bytes_bound(num_experts: int, output_mode: str) -> int:
+    """The largest workspace a spec of ``num_experts`` experts and ``output_mode`` built by the
+    public entry points needs, over every architecture and format (a compiled operator's own
+    need, ``CompiledOperator.workspace_bytes``, is at most this). Host arithmetic only."""
+    head = _COUNTER_BYTES + 4 * _WORDS_PER_EXPERT * num_experts
+    head = -(-head // _DESC_BYTES) * _DESC_BYTES
+    return head + num_experts * _MAX_DESC_SLOTS[output_mode] * _DESC_BYTES
 
 #: Base-address alignment each operand needs (bytes), the same as the contract's first-call
 #: check (gwgrad/validation.py): 16 for what the kernels read or write through TMA or 16-byte

@@ -371,8 +371,12 @@ def quantize(x: Any, offsets: Any, fmt: str, *, elem: Optional[str] = None, data
                                 ("offsets", od, 4), ("global_scale", gs_d, 4)):
             check_aligned(d, name, nbytes)
         from .backends import detect_arch
+        from .errors import UnsupportedError
 
-        arch = detect_arch(xd.device_id)
+        try:
+            arch = detect_arch(xd.device_id)
+        except UnsupportedError as exc:  # named after the GEMM's a_tensor: here it is x
+            raise exc.renamed({"a_tensor": "x"}) from None
         cfg = kernel_config(fmt, elem, channels, experts)
         kernel = _kernel(cfg, arch)
         # Workspace (the tile table, amaxes): torch's allocator when x is torch's (CUDA-graph

@@ -248,7 +248,8 @@ def build_spec(
         _fail("sf_vec_size", "an int", repr(sf_vec_size))
     mma_tiler_mn = _pair(mma_tiler_mn, "mma_tiler_mn")
     cluster_shape_mn = _pair(cluster_shape_mn, "cluster_shape_mn")
-    acc = as_dtype(acc_dtype, "acc_dtype")
+    # None: cuDNN's default, FP32.
+    acc = DType.FLOAT32 if acc_dtype is None else as_dtype(acc_dtype, "acc_dtype")
     if acc != DType.FLOAT32:
         _fail("acc_dtype", "float32 (the kernels accumulate in FP32)", acc)
 

@@ -16,6 +16,7 @@ from typing import Dict, Optional, Tuple
 
 from .. import cuda
 from ..dtypes import DType
+from ..errors import UnsupportedError, arch_names
 from ..spec import StaticSpec
 from .base import Backend, LaunchArgs
 
@@ -41,30 +42,36 @@ _instances: Dict[Tuple[str, str], Backend] = {}
 def _arch_override() -> str:
     value = os.environ.get("CUTE_DSL_ARCH", "").strip().lower()
     if value and value not in KNOWN_ARCHS:
-        raise RuntimeError(f"CUTE_DSL_ARCH={value!r} is not an architecture gwgrad has kernels "
-                           f"for ({', '.join(KNOWN_ARCHS)})")
+        raise UnsupportedError(
+            "CUTE_DSL_ARCH", f"{value!r} is not an architecture gwgrad has kernels for "
+            f"({', '.join(KNOWN_ARCHS)})", arch=value, needs=KNOWN_ARCHS)
     return value
 
 
 @functools.lru_cache(maxsize=None)
 def _arch_of_device(device_id: int) -> str:
-    cuda.require(device_id)
+    cuda.require(device_id)  # RuntimeError without CUDA or without this device
     major, minor = cuda.compute_capability(device_id)
     if major < 9:
-        raise RuntimeError(
-            f"gwgrad needs a GPU of compute capability 9.0 (SM90, Hopper) or newer; CUDA device "
-            f"{device_id} has compute capability {major}.{minor}")
+        raise UnsupportedError(
+            "a_tensor", f"gwgrad needs a GPU of compute capability 9.0 (SM90, Hopper) or "
+            f"newer; CUDA device {device_id} has compute capability {major}.{minor}. CPU "
+            f"arrays run the reference", arch=f"sm_{major}{minor}", needs=KNOWN_ARCHS)
     arch = ARCH_BY_CAPABILITY.get((major, minor))
     if arch is None:
         supported = ", ".join(f"{a}.{b}" for a, b in ARCH_BY_CAPABILITY)
-        raise RuntimeError(
-            f"gwgrad has no kernels for compute capability {major}.{minor} (CUDA device "
-            f"{device_id}); supported: {supported}. Set CUTE_DSL_ARCH to force one")
+        raise UnsupportedError(
+            "a_tensor", f"gwgrad has no kernels for compute capability {major}.{minor} (CUDA "
+            f"device {device_id}); supported: {supported}. Set CUTE_DSL_ARCH to force one",
+            arch=f"sm_{major}{minor}", needs=KNOWN_ARCHS)
     return arch
 
 
 def detect_arch(device_id: int) -> str:
-    """The architecture to compile for on CUDA device ``device_id``."""
+    """The architecture to compile for on CUDA device ``device_id``: ``CUTE_DSL_ARCH`` when
+    set, else the device's. ``UnsupportedError`` (a NotImplementedError) for an architecture
+    gwgrad has no kernels for, naming ``a_tensor`` (the tensor whose device it is; callers
+    rename it); ``RuntimeError`` without CUDA."""
     return _arch_override() or _arch_of_device(device_id)
 
 
@@ -79,8 +86,11 @@ def get_backend(spec: StaticSpec) -> Backend:
     else:
         key = _KERNELS.get((_kind(spec), spec.arch))
         if key is None:
-            raise RuntimeError(f"no {_kind(spec).replace('_', '-')} kernel for {spec.arch} yet "
-                               f"(a_tensor is {spec.a_dtype}); CPU arrays run the reference")
+            needs = tuple(arch for kind, arch in _KERNELS if kind == _kind(spec))
+            raise UnsupportedError(
+                "a_tensor", f"{spec.a_dtype} operands need {arch_names(needs)}; gwgrad has no "
+                f"{_kind(spec).replace('_', '-')} kernel for {spec.arch} (CPU arrays run the "
+                "reference)", arch=spec.arch, needs=needs)
     backend = _instances.get(key)
     if backend is None:
         module_name, class_name = key

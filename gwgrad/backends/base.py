@@ -10,6 +10,11 @@ from ..kernels.tiling import SCHEDULE_DYNAMIC
 from ..spec import StaticSpec
 from ..tensors import TensorDesc
 
+#: The architectures of each GPU family gwgrad has kernels for (what an UnsupportedError's
+#: ``needs`` names).
+SM90_ARCHS = ("sm_90a",)
+SM100_ARCHS = ("sm_100a", "sm_103a")
+
 
 @dataclass
 class LaunchArgs:
@@ -38,8 +43,10 @@ class LaunchArgs:
 class Backend(abc.ABC):
     """A way to compute the operation for some static specs.
 
-    ``check_support`` raises ``ValueError`` naming the argument that this backend cannot serve
-    (or ``RuntimeError`` for an unusable environment); when it passes, ``compile`` succeeds.
+    ``check_support`` raises ``ArgumentError`` (a ``ValueError``) naming the argument no kernel
+    runs, ``UnsupportedError`` (a ``NotImplementedError``) naming the argument another
+    architecture's kernel runs (gwgrad/errors.py), or ``RuntimeError`` for an unusable
+    environment; when it passes, ``compile`` succeeds.
     ``compile`` returns an opaque handle (the CuTe DSL backends keep compiled kernels on disk
     too: gwgrad.kernel_cache); ``launch`` enqueues the work described by ``args`` on
     ``args.stream``; ``launcher`` gives the per-call path of ``gwgrad.plan`` for CUDA.

@@ -1,15 +1,20 @@
 """FP8 backend for Hopper (SM90): the scaled WGMMA kernel of kernels/sm90_fp8.py, for the three
 scale recipes of gwgrad/scales.py (MXFP8's blocked E8M0 scales, per-expert channel scales,
-1x128 blocks). FP4 formats need SM100's block-scaled tensor cores."""
+1x128 blocks). FP4 formats need SM100's block-scaled tensor cores, and so does MXFP8 with an
+M/N-major operand: those raise gwgrad.errors.UnsupportedError (a NotImplementedError)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from ..dtypes import DType
+from ..errors import fail, unsupported
 from ..kernels.tiling import SM90_FP8_TILES, sm90_fp8_problem
+from ..scales import BLOCKED
 from ..spec import StaticSpec
 from . import _cutedsl
+from .base import SM100_ARCHS
+
 
 class Fp8Sm90Backend(_cutedsl.CuteDslBackend):
     name = "fp8_sm90"
@@ -17,10 +22,23 @@ class Fp8Sm90Backend(_cutedsl.CuteDslBackend):
     def check_spec(self, spec: StaticSpec) -> None:
         for name, dtype in (("a_tensor", spec.a_dtype), ("b_tensor", spec.b_dtype)):
             if dtype == DType.FLOAT4_E2M1FN_X2:
-                raise RuntimeError(
-                    f"{name}: FP4 (NVFP4 / MXFP4) needs an SM100 GPU's block-scaled tensor "
-                    f"cores; {spec.arch} (Hopper) has none. Use FP8 operands here")
-        # FP8 dtypes and K-major operands: the kernel's own predicate (can_implement).
+                # Hopper has no block-scaled FP4 tensor cores; the SM100 kernel runs it.
+                unsupported(name, f"{dtype} (NVFP4/MXFP4)", SM100_ARCHS, spec.arch)
+        # Hopper's FP8 WGMMA reads K-major shared memory only. MXFP8 with an M/N-major
+        # operand runs on SM100 (its kernel reads either major); with FP32 scale factors no
+        # GPU kernel takes one (SM100's takes no FP32 scales): a ValueError, as in the
+        # kernel's own predicate (can_implement).
+        for name, major, word in (("a_tensor", spec.a_major, "M-major"),
+                                  ("b_tensor", spec.b_major, "N-major")):
+            if major == "k":
+                continue
+            if spec.scale_recipe == BLOCKED:
+                dtype = spec.a_dtype if name == "a_tensor" else spec.b_dtype
+                unsupported(name, f"an {word} {dtype} operand (MXFP8)", SM100_ARCHS, spec.arch,
+                            "Hopper's FP8 WGMMA reads K-major operands only")
+            fail(name, "a K-major (token-contiguous) FP8 operand: Hopper's FP8 WGMMA reads "
+                 "K-major shared memory only (quantize x and dy transposed, as (hidden, tokens) "
+                 "/ (intermediate, tokens) rows)", f"an {word} one")
         _cutedsl.check_scaled_spec(spec)
 
     def default_tiling(self, spec: StaticSpec):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence, Tuple
 
-from . import backends, interop, plan as plans
+from . import backends, cuda, interop, plan as plans
 from .dtypes import DType
 from .errors import NAMED_ERRORS, ArgumentError, UnsupportedError
 from .plan import LaunchPlan, cache_info, clear_cache, workspace_bytes_bound
@@ -98,11 +98,12 @@ def get_grouped_gemm_wgrad_workspace_size_sm100(
     own need (``GroupedGemmWgrad.workspace_bytes``) is at most this.
 
     The workspace holds the experts' token ranges and order and their TMA descriptors, which
-    every launch's prep work writes before its tiles read them. Zeroing rule: its first
-    ``gwgrad.plan.WORKSPACE_ZEROED_BYTES`` (16) bytes must be zero before the first launch that
-    uses it (a single-launch kernel's prep hand-off counters); every launch leaves them zero,
-    so a workspace zero-filled once (e.g. ``torch.zeros``) serves every later launch on one
-    stream. Other bytes may hold anything (as in the workspaces gwgrad allocates itself).
+    every launch's prep work writes before its tiles read them. A ``descriptor_workspace`` may
+    hold anything (``torch.empty`` will do): before a single-launch kernel, whose prep
+    hand-off counters are its first ``gwgrad.plan.WORKSPACE_ZEROED_BYTES`` (16) bytes, the
+    wrapper and ``execute`` zero those on the call's stream. (``LaunchPlan.launch`` itself,
+    the raw-address tier, does not: there they must be zero before the first launch, and
+    every launch leaves them zero.)
     """
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
         raise ArgumentError("num_experts", f"expected a positive int, got {num_experts!r}")
@@ -266,9 +267,9 @@ class GroupedGemmWgrad:
 
         ``descriptor_workspace``: cuDNN's; a caller-owned device array of at least
         ``workspace_bytes`` bytes (``get_grouped_gemm_wgrad_workspace_size_sm100`` bytes
-        always suffice), contiguous, on the operands' device, 128-byte aligned, with its first
-        ``gwgrad.plan.WORKSPACE_ZEROED_BYTES`` bytes zero before its first launch (every launch
-        leaves them zero). The caller keeps it alive, and away from other work, until the
+        always suffice), contiguous, on the operands' device, 128-byte aligned, of any
+        contents (gwgrad zeroes what its kernels need zeroed on ``current_stream``, a 16-byte
+        memset, before each launch that needs it). The caller keeps it alive, and away from other work, until the
         launch completes on ``current_stream``. None: gwgrad provides one (the framework's
         allocator, else gwgrad's per-stream workspace). CPU arrays need none."""
         if self._operator is None:
@@ -285,7 +286,7 @@ class GroupedGemmWgrad:
         out = _output(plan, quick, wgrad_tensor, stream)
         validate = self.validate_offsets if validate_offsets is None else validate_offsets
         workspace = (_workspace(plan, stream) if descriptor_workspace is None
-                     else _caller_workspace(plan, descriptor_workspace))
+                     else _caller_workspace(plan, descriptor_workspace, stream))
         plan.launch(quick[0][0], quick[1][0], quick[2][0], _out_address(plan, quick, out),
                     stream=stream, workspace=workspace, validate_offsets=validate,
                     scales=_scales(plan, quick))
@@ -384,9 +385,12 @@ def _workspace(plan: LaunchPlan, stream: int) -> int:
     return interop.framework("torch").workspace(plan.device_id, stream, plan.workspace_bytes)
 
 
-def _caller_workspace(plan: LaunchPlan, workspace: Any) -> int:
+def _caller_workspace(plan: LaunchPlan, workspace: Any, stream: int) -> int:
     """The address of a caller's ``descriptor_workspace`` for ``plan`` (0 for the reference,
-    which needs none), after the checks its use needs (ArgumentError naming it)."""
+    which needs none), after the checks its use needs (ArgumentError naming it). A
+    single-launch kernel's prep hand-off starts from zeroed leading bytes
+    (``WORKSPACE_ZEROED_BYTES``); cuDNN's callers may bring uninitialized memory
+    (``torch.empty``), so those bytes are zeroed on ``stream`` before each such launch."""
     desc = _describe(workspace, "descriptor_workspace")
     if not plan.is_cuda:
         return 0
@@ -409,6 +413,9 @@ def _caller_workspace(plan: LaunchPlan, workspace: Any) -> int:
     if need and desc.ptr % 128:
         raise ArgumentError("descriptor_workspace", f"expected a 128-byte aligned base address, "
                             f"got {desc.ptr:#x}")
+    if need and plan.spec.launches == 1:
+        with cuda.on_device(plan.device_id):
+            cuda.memset_async(desc.ptr, plans.WORKSPACE_ZEROED_BYTES, stream)
     return desc.ptr
 
 
@@ -511,7 +518,7 @@ def grouped_gemm_wgrad(
     else:
         out = _output(plan, quick, wgrad_tensor, stream)
     workspace = (_workspace(plan, stream) if descriptor_workspace is None
-                 else _caller_workspace(plan, descriptor_workspace))
+                 else _caller_workspace(plan, descriptor_workspace, stream))
     plan.launch(quick[0][0], quick[1][0], quick[2][0], _out_address(plan, quick, out),
                 stream=stream, workspace=workspace, validate_offsets=validate_offsets,
                 scales=_scales(plan, quick))

@@ -149,6 +149,9 @@ def stand_in(monkeypatch):
     monkeypatch.setattr(gwgrad.interop, "workspace", lambda device, stream, nbytes: 0xABC000)
     monkeypatch.setattr(gwgrad.cuda, "stream_is_capturing", lambda stream: False)
     monkeypatch.setattr(gwgrad.cuda, "on_device", lambda device: contextlib.nullcontext())
+    launches.memsets = []
+    monkeypatch.setattr(gwgrad.cuda, "memset_async",
+                        lambda ptr, nbytes, stream: launches.memsets.append((ptr, nbytes)))
     gwgrad.clear_cache()  # plans are keyed by signature, not by CUTE_DSL_ARCH
     yield launches
     gwgrad.clear_cache()

@@ -222,7 +222,7 @@ for s in $steps; do
       # The reliability GPU tests: the main-grad layer, the short soak, two-GPU expert
       # parallelism (skips with one GPU).
       step reliability 300 || continue
-      capture "$PY" -m pytest -q -rs -rP -p no:cacheprovider tests/test_grouped_linear_gpu.py \
+      capture "$PY" -m pytest -q -rs -rP -p no:cacheprovider tests/test_grouped_linear.py \
         tests/test_soak.py tests/test_expert_parallel_gpu.py ${GWGRAD_RELIABILITY_EXTRA-}
       grep -E "PASS|FAIL|passed|failed|error|max relative" "$OUT/step.txt" | tail -30
       done_step reliability $rc ;;

@@ -1,7 +1,7 @@
 """Shared test setup: the ``gpu`` marker skips cleanly where no CUDA GPU is usable; tests
-marked ``compile`` (exhaustive full kernel compiles, minutes each on a small CPU) run only when
-``-m`` names them (``python -m pytest -m compile``), so that ``python -m pytest -q`` stays the
-fast tier; every test draws fresh random inputs from a seed of its own, printed when it fails
+marked ``compile`` (exhaustive full kernel compiles, seconds each on a small CPU) run only when
+``-m`` names them (``python -m pytest -m compile``) or their node id is given, so that
+``python -m pytest -q`` stays the fast tier; every test draws fresh random inputs from a seed of its own, printed when it fails
 (replay one with ``GWGRAD_TEST_SEED=<seed>``); compiled kernels go to a per-session cache
 directory, never the user's."""
 
@@ -37,12 +37,30 @@ def _compile_tier_requested(config) -> bool:
     return "compile" in (config.option.markexpr or "")
 
 
+def _named_node_ids(config):
+    """The node ids given on the command line (``path::test[...]``), relative to the rootdir."""
+    named = []
+    for arg in config.args:
+        if "::" in arg:
+            path, rest = arg.split("::", 1)
+            path = os.path.join(str(config.invocation_params.dir), path)
+            path = os.path.relpath(path, str(config.rootpath)).replace(os.sep, "/")
+            named.append(f"{path}::{rest}")
+    return named
+
+
 def pytest_collection_modifyitems(config, items):
     if not _compile_tier_requested(config):
-        left_out = [item for item in items if item.get_closest_marker("compile") is not None]
+        named = _named_node_ids(config)  # a compile test asked for by its node id runs
+
+        def left_out_test(item):
+            return item.get_closest_marker("compile") is not None and not any(
+                item.nodeid == n or item.nodeid.startswith((n + "[", n + "::")) for n in named)
+
+        left_out = [item for item in items if left_out_test(item)]
         if left_out:
             config.hook.pytest_deselected(items=left_out)
-            items[:] = [item for item in items if item.get_closest_marker("compile") is None]
+            items[:] = [item for item in items if not left_out_test(item)]
     if cuda.available():
         return
     skip = pytest.mark.skip(reason="needs a usable CUDA GPU (none found)")

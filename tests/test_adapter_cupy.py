@@ -1,6 +1,8 @@
-"""gwgrad.adapters.cupy's argument handling without CuPy: NumPy arrays take the same path
-(bfloat16 bits flagged with dtype="bfloat16", outputs, discrete lists, errors) on the
-reference backend. Tests needing CuPy itself skip where it cannot be imported."""
+"""gwgrad.adapters.cupy: NumPy arrays take the same path as CuPy arrays (bfloat16 bits flagged
+with dtype="bfloat16", every output kind, accumulate, discrete lists, errors), on the reference
+backend without CuPy and, parametrized by array module, on a GPU with CuPy (gwgrad's kernels;
+marked ``gpu``, skipped without one). On the GPU only: a non-default stream and DLPack
+bfloat16 arrays. Small shapes."""
 
 from __future__ import annotations
 
@@ -11,15 +13,44 @@ import pytest
 import gwgrad
 import gwgrad.adapters.cupy as gwc
 
+try:
+    import cupy
+except ImportError:
+    cupy = None
+
+try:
+    import pytest_timeout  # noqa: F401
+
+    _timeout = [pytest.mark.timeout(120)]
+except ImportError:
+    _timeout = []
+
+
+def _has_gpu():
+    try:
+        return cupy is not None and cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no driver
+        return False
+
+
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not _has_gpu(), reason="needs CuPy with a GPU"),
+       *_timeout]
+ARRAYS = ["numpy", pytest.param("cupy", marks=GPU)]
+
 HIDDEN, INTER = 32, 48
 COUNTS = [50, 0, 70, 80]
+# On the GPU: counts not multiples of 256, one empty expert, several tiles per expert.
+SIZES = {"numpy": (HIDDEN, INTER, COUNTS), "cupy": (256, 384, [512, 0, 997, 3, 256])}
+#: Relative error allowed on FP32 outputs: the reference's FP64 sums rounded once; the tensor
+#: cores' FP32 accumulation.
+FP32_TOL = {"numpy": 1e-6, "cupy": 1e-5}
 
 
-def inputs(rng, counts=COUNTS):
+def inputs(rng, counts=COUNTS, hidden=HIDDEN, inter=INTER):
     offsets = np.cumsum(counts).astype(np.int32)
     tokens = int(offsets[-1])
-    x = gwc.to_bfloat16_bits(rng.standard_normal((tokens, HIDDEN)).astype(np.float32))
-    dy = gwc.to_bfloat16_bits(rng.standard_normal((tokens, INTER)).astype(np.float32))
+    x = gwc.to_bfloat16_bits(rng.standard_normal((tokens, hidden)).astype(np.float32))
+    dy = gwc.to_bfloat16_bits(rng.standard_normal((tokens, inter)).astype(np.float32))
     return x, dy, offsets
 
 
@@ -28,6 +59,31 @@ def reference(x_bits, dy_bits, offsets):
     dy = gwc.from_bfloat16_bits(dy_bits).astype(np.float64)
     bounds = [0] + list(offsets)
     return np.stack([x[s:e].T @ dy[s:e] for s, e in zip(bounds, bounds[1:])])
+
+
+def module_of(name):
+    return cupy if name == "cupy" else np
+
+
+def host(array):
+    """A NumPy copy of a NumPy or CuPy array, in float64."""
+    if cupy is not None and isinstance(array, cupy.ndarray):
+        array = cupy.asnumpy(array)
+    return np.asarray(array).astype(np.float64)
+
+
+def rel_err(got, want):
+    return float(np.linalg.norm(host(got) - want) / np.linalg.norm(want))
+
+
+def array_inputs(rng, xp):
+    """((hidden, intermediate, experts), x, dy, offsets, float64 reference): bfloat16 bits of
+    the array module's problem size, in its arrays."""
+    hidden, inter, counts = SIZES[xp]
+    x, dy, offsets = inputs(rng, counts, hidden, inter)
+    want = reference(x, dy, offsets)
+    m = module_of(xp)
+    return (hidden, inter, len(counts)), m.asarray(x), m.asarray(dy), m.asarray(offsets), want
 
 
 def test_bfloat16_bits_round_to_nearest_even(rng):
@@ -43,16 +99,17 @@ def test_bfloat16_bits_round_to_nearest_even(rng):
     np.testing.assert_array_equal(gwc.from_bfloat16_bits(bits.view(np.int16)), back)
 
 
-@pytest.mark.parametrize("out_dtype,tol", [("float32", 1e-6), ("float16", 2e-3), (None, 1e-2)])
-def test_bits_in_each_output_dtype(rng, out_dtype, tol):
-    x, dy, offsets = inputs(rng)
-    want = reference(x, dy, offsets)
+@pytest.mark.parametrize("xp", ARRAYS)
+@pytest.mark.parametrize("out_dtype", ["float32", "float16", None])
+def test_bits_in_each_output_dtype(rng, xp, out_dtype):
+    (hidden, inter, experts), x, dy, offsets, want = array_inputs(rng, xp)
+    tol = {"float32": FP32_TOL[xp], "float16": 2e-3, None: 1e-2}[out_dtype]
     w = gwc.wgrad(x, dy, offsets, dtype="bfloat16", out_dtype=out_dtype)
-    assert w.shape == (4, HIDDEN, INTER)
+    assert type(w) is type(x) and w.shape == (experts, hidden, inter)
     if out_dtype is None:  # bfloat16 comes back as bits, in x's dtype
         assert w.dtype == np.uint16
         w = gwc.from_bfloat16_bits(w)
-    got = w.astype(np.float64)
+    got = host(w)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < tol
     assert not got[1].any()
 
@@ -67,22 +124,25 @@ def test_int16_bits_and_native_bfloat16(rng):
     np.testing.assert_allclose(w, want, rtol=1e-5, atol=1e-4)
 
 
-def test_into_accumulate_and_discrete(rng):
-    x, dy, offsets = inputs(rng)
-    want = reference(x, dy, offsets)
-    out = np.full((4, HIDDEN, INTER), np.nan, np.float32)
+@pytest.mark.parametrize("xp", ARRAYS)
+def test_into_accumulate_and_discrete(rng, xp):
+    (hidden, inter, experts), x, dy, offsets, want = array_inputs(rng, xp)
+    m, tol = module_of(xp), FP32_TOL[xp]
+    out = m.full((experts, hidden, inter), np.nan, np.float32)
     assert gwc.wgrad(x, dy, offsets, dtype="bfloat16", out=out) is out
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
+    assert rel_err(out, want) < tol
+    base = m.asarray(rng.standard_normal(out.shape), np.float32)
+    out[...] = base
     gwc.wgrad(x, dy, offsets, dtype="bfloat16", out=out, accumulate=True)
-    np.testing.assert_allclose(out, 2 * want, rtol=1e-5, atol=1e-4)
-    outs = [np.full((HIDDEN, INTER), np.nan, np.float32) for _ in range(4)]
+    assert rel_err(out, want + host(base)) < tol
+    outs = [m.full((hidden, inter), np.nan, np.float32) for _ in range(experts)]
     assert gwc.wgrad(x, dy, offsets, dtype="bfloat16", out=outs) == outs
-    np.testing.assert_allclose(np.stack(outs), want, rtol=1e-5, atol=1e-4)
+    assert rel_err(m.stack(outs), want) < tol
     gwc.wgrad(x, dy, offsets, dtype="bfloat16", out=outs, accumulate=True)
-    np.testing.assert_allclose(np.stack(outs), 2 * want, rtol=1e-5, atol=1e-4)
-    bits_out = np.zeros((4, HIDDEN, INTER), np.uint16)  # a bfloat16 output given as bits
+    assert rel_err(m.stack(outs), 2 * want) < tol
+    bits_out = m.zeros((experts, hidden, inter), np.uint16)  # a bfloat16 output given as bits
     gwc.wgrad(x, dy, offsets, dtype="bfloat16", out=bits_out)
-    np.testing.assert_allclose(gwc.from_bfloat16_bits(bits_out), want, rtol=1e-2, atol=1e-1)
+    assert rel_err(gwc.from_bfloat16_bits(bits_out), want) < 1e-2
 
 
 def test_one_operator_for_new_storage(rng):
@@ -132,3 +192,29 @@ def test_cupy_arrays_are_recognized():
     except Exception:  # noqa: BLE001 - CuPy imports but no CUDA driver / GPU
         pytest.skip("CuPy has no usable GPU")
     assert gwc._is_cupy(cupy.zeros(1)) and gwc._xp(cupy.zeros(1)) is cupy
+
+
+class TestCupyGpu:
+    pytestmark = GPU
+
+    def test_non_default_stream(self, rng):
+        (hidden, inter, _), x, dy, offsets, want = array_inputs(rng, "cupy")
+        cupy.cuda.get_current_stream().synchronize()
+        with cupy.cuda.Stream(non_blocking=True) as stream:
+            w = gwc.wgrad(x, dy, offsets, dtype="bfloat16", out_dtype="float32")
+            stream.synchronize()
+            assert rel_err(w, want) < 1e-5
+        other = cupy.cuda.Stream(non_blocking=True)
+        out = cupy.full((5, hidden, inter), np.nan, np.float32)
+        cupy.cuda.get_current_stream().synchronize()
+        gwc.wgrad(x, dy, offsets, dtype="bfloat16", out=out, stream=other)  # an explicit stream
+        other.synchronize()
+        assert rel_err(out, want) < 1e-5
+
+    def test_dlpack_bfloat16_arrays(self, rng):
+        torch = pytest.importorskip("torch")
+        _, x, dy, offsets, want = array_inputs(rng, "cupy")
+        tx = torch.from_dlpack(x).view(torch.bfloat16)  # the same bits, a bfloat16 dtype
+        tdy = torch.from_dlpack(dy).view(torch.bfloat16)
+        w = gwc.wgrad(tx, tdy, offsets, out_dtype="float32")  # no flag: the arrays say bfloat16
+        assert isinstance(w, cupy.ndarray) and rel_err(w, want) < 1e-5

@@ -1,18 +1,28 @@
-"""gwgrad.adapters.torch.GroupedLinear on the CPU (gwgrad's reference backend, the loop
-forward): per-expert parameters ``weight0..weight{E-1}`` with FP32 ``main_grad`` buffers that
-the backward accumulates into in place (Megatron's ``gradient_accumulation_fusion``
-convention), against autograd through a float64 per-expert loop of ``x_e @ W_e``.
+"""gwgrad.adapters.torch.GroupedLinear: per-expert parameters ``weight0..weight{E-1}`` with FP32
+``main_grad`` buffers that the backward accumulates into in place (Megatron's
+``gradient_accumulation_fusion`` convention), against autograd through a float64 per-expert loop
+of ``x_e @ W_e``; on the CPU (gwgrad's reference backend, the loop forward) and, parametrized by
+device, on an SM90+ GPU (gwgrad's CuTe DSL kernel for the weight gradients,
+``torch._grouped_mm`` for y and dx; marked ``gpu``, skipped without one).
 
-Covers: gradients (y, dx, main grads) against the float64 reference; three backward passes
-adding exactly (integer-valued inputs: every sum is exact); empty experts (first, middle,
-last) leaving their main grads bit-for-bit unchanged; the ``main_grad=False`` path (bfloat16
-``.grad``s); frozen experts; caller-owned main grads as views into one flat buffer;
-``zero_main_grad``; argument errors as ValueErrors naming the argument.
+Covers, on both: gradients (y, dx, main grads) against the float64 reference; empty experts
+leaving their main grads bit-for-bit unchanged; the ``main_grad=False`` path (bfloat16
+``.grad``s). On the CPU: backward passes adding exactly (integer-valued inputs: every sum is
+exact); no tokens at all; frozen experts; caller-owned main grads as views into one flat
+buffer; ``zero_main_grad``; argument errors as ValueErrors naming the argument. On the GPU:
+FP32 main grads accumulated over three steps against float64 within 1e-5 and, with
+integer-valued inputs, bit-exactly; the weight-gradient step allocating no temporary of dW's
+size (``torch.cuda.max_memory_allocated`` around the backward: at most 256 KiB more than before
+it, against 3 MiB of FP32 dW) and the main grads keeping their addresses; no host
+synchronization in forward + backward (``torch.cuda.set_sync_debug_mode("error")``); a
+``torch.cuda.graph`` capture of forward + backward replayed with new offsets copied into the
+captured offsets tensor, every replay bit-equal to an eager step from the same main grads.
 
     python -m pytest -q tests/test_grouped_linear.py
 
-The same checks on a GPU, plus memory, no-sync and CUDA-graph checks:
-tests/test_grouped_linear_gpu.py.
+On the GPU two kernels compile (discrete FP32 accumulate for the main grads, dense BF16 for
+``main_grad=False``; once per session's cache directory, ~5-10 s with the DSL import); the
+tests then run in seconds.
 """
 
 from __future__ import annotations
@@ -21,22 +31,60 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import gwgrad  # noqa: E402
 import gwgrad.adapters.torch as gwt  # noqa: E402
+
+try:
+    import pytest_timeout  # noqa: F401
+
+    _timeout = [pytest.mark.timeout(180)]
+except ImportError:
+    _timeout = []
+
+GPU = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available()
+                       or torch.cuda.get_device_capability()[0] < 9,
+                       reason="needs an SM90+ GPU"),
+    *_timeout,
+]
+DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]
 
 E, IN, OUT = 4, 32, 48
 COUNTS = [50, 0, 70, 80]
+# On the GPU: counts not multiples of anything, empty experts, several tiles per expert.
+CUDA_E, CUDA_IN, CUDA_OUT = 8, 256, 384
+CUDA_COUNTS = [512, 0, 997, 3, 256, 0, 131, 100]
+CUDA_TOKENS = sum(CUDA_COUNTS)
+#: (experts, in_features, out_features, counts) of each device's problem
+PROBLEMS = {"cpu": (E, IN, OUT, COUNTS), "cuda": (CUDA_E, CUDA_IN, CUDA_OUT, CUDA_COUNTS)}
 
 
 def offsets_of(counts, device="cpu"):
     return torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(device)
 
 
-def make_layer(main_grad=True, experts=E, device="cpu"):
-    layer = gwt.GroupedLinear(experts, IN, OUT, main_grad=main_grad, device=device)
+def make_layer(main_grad=True, experts=E, device="cpu", in_features=IN, out_features=OUT):
+    layer = gwt.GroupedLinear(experts, in_features, out_features, main_grad=main_grad,
+                              device=device)
     with torch.no_grad():
         for w in layer.weights:
-            w.copy_(torch.randn(IN, OUT) / IN ** 0.5)
+            w.copy_(torch.randn(in_features, out_features) / in_features ** 0.5)
     return layer
+
+
+def device_layer(device, main_grad=True):
+    experts, in_features, out_features, _ = PROBLEMS[device]
+    return make_layer(main_grad, experts, device, in_features, out_features)
+
+
+def device_inputs(device, counts=None):
+    """x, dy (bfloat16) and offsets of the device's problem (its counts unless given)."""
+    _, in_features, out_features, default = PROBLEMS[device]
+    counts = default if counts is None else counts
+    x = torch.randn(sum(counts), in_features, dtype=torch.bfloat16, device=device)
+    dy = torch.randn(sum(counts), out_features, dtype=torch.bfloat16, device=device)
+    return x, dy, offsets_of(counts, device)
 
 
 def loop_reference(x, weights, counts, upstream):
@@ -67,6 +115,14 @@ def step(layer, x, offsets, upstream):
     return y.detach(), x.grad
 
 
+def step_dy(layer, x, offsets, dy, x_grad=True):
+    """One forward and backward of the bfloat16 upstream gradient ``dy``."""
+    x = x.detach().clone().requires_grad_(x_grad)
+    y = layer(x, offsets)
+    y.backward(dy)
+    return y.detach(), x.grad
+
+
 def test_parameters_and_main_grads():
     layer = gwt.GroupedLinear(E, IN, OUT)
     names = [name for name, _ in layer.named_parameters()]
@@ -84,20 +140,33 @@ def test_parameters_and_main_grads():
     assert not any(hasattr(w, "main_grad") for w in plain.weights)
 
 
-def test_gradients_match_float64_loop():
-    layer = make_layer()
-    x = torch.randn(sum(COUNTS), IN).bfloat16()
-    upstream = torch.randn(sum(COUNTS), OUT)
-    y, dx = step(layer, x, offsets_of(COUNTS), upstream)
-    y_ref, dx_ref, dw_ref = loop_reference(x, layer.weights, COUNTS, upstream)
-    assert y.dtype == torch.bfloat16 and y.shape == (sum(COUNTS), OUT)
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_match_float64_loop(device):
+    _, _, out_features, counts = PROBLEMS[device]
+    layer = device_layer(device)
+    x, dy, offsets = device_inputs(device)
+    y, dx = step_dy(layer, x, offsets, dy)
+    gwgrad.check_errors()
+    y_ref, dx_ref, dw_ref = loop_reference(x, layer.weights, counts, dy)
+    assert y.dtype == torch.bfloat16 and y.shape == (sum(counts), out_features)
     assert rel_err(y, y_ref) < 1e-2
     assert rel_err(dx, dx_ref) < 1e-2
     mains = [w.main_grad for w in layer.weights]
-    assert rel_err(mains, dw_ref) < 1e-2  # dy is upstream rounded to bfloat16
-    for w in layer.weights:
+    assert rel_err(mains, dw_ref) < 1e-5  # FP32 sums of exact bfloat16 products
+    for e, w in enumerate(layer.weights):
         assert w.grad is None and w.grad_added_to_main_grad is True
-    assert not mains[1].any()  # the empty expert
+        if counts[e] == 0:
+            assert not w.main_grad.any()
+
+
+def test_upstream_rounded_to_bfloat16():
+    # A float32 loss gradient reaches the layer rounded to bfloat16 (y's dtype).
+    layer = make_layer()
+    x = torch.randn(sum(COUNTS), IN).bfloat16()
+    upstream = torch.randn(sum(COUNTS), OUT)
+    step(layer, x, offsets_of(COUNTS), upstream)
+    _, _, dw_ref = loop_reference(x, layer.weights, COUNTS, upstream)
+    assert rel_err([w.main_grad for w in layer.weights], dw_ref) < 1e-2
 
 
 def test_three_backward_passes_add_exactly():
@@ -122,45 +191,56 @@ def test_three_backward_passes_add_exactly():
         assert w.grad is None
 
 
-def test_empty_experts_keep_their_main_grads():
-    layer = make_layer(experts=6)
-    init = [torch.randn(IN, OUT) for _ in range(6)]
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_experts_keep_their_main_grads(device):
+    # first, middle and last experts empty
+    counts = {"cpu": [0, 40, 0, 0, 60, 0, 0, 0], "cuda": [0, 400, 0, 0, 600, 0, 0, 0]}[device]
+    experts, in_features, out_features, _ = PROBLEMS[device]
+    layer = make_layer(experts=len(counts), device=device, in_features=in_features,
+                       out_features=out_features)
+    init = [torch.randn(in_features, out_features, device=device) for _ in counts]
     for w, i in zip(layer.weights, init):
         w.main_grad.copy_(i)
-    counts = [0, 40, 0, 0, 60, 0]  # first, middle and last experts empty
-    x = torch.randn(sum(counts), IN).bfloat16()
-    upstream = torch.randn(sum(counts), OUT)
-    y, dx = step(layer, x, offsets_of(counts), upstream)
-    y_ref, dx_ref, dw_ref = loop_reference(x, layer.weights, counts, upstream)
+    x, dy, offsets = device_inputs(device, counts)
+    y, dx = step_dy(layer, x, offsets, dy)
+    y_ref, dx_ref, dw_ref = loop_reference(x, layer.weights, counts, dy)
     for e, (w, i) in enumerate(zip(layer.weights, init)):
         if counts[e] == 0:
             assert torch.equal(w.main_grad, i), e  # bit-for-bit unchanged
         else:
-            assert rel_err(w.main_grad - i, dw_ref[e]) < 1e-2
+            assert rel_err(w.main_grad - i, dw_ref[e]) < 1e-5
     assert rel_err(y, y_ref) < 1e-2 and rel_err(dx, dx_ref) < 1e-2
-    # No tokens at all: nothing changes, and nothing fails.
+
+
+def test_no_tokens_change_nothing():
+    layer = make_layer(experts=6)
+    init = [torch.randn(IN, OUT) for _ in range(6)]
+    for w, i in zip(layer.weights, init):
+        w.main_grad.copy_(i)
     x0 = torch.zeros(0, IN, dtype=torch.bfloat16)
     y0, dx0 = step(layer, x0, offsets_of([0] * 6), torch.zeros(0, OUT))
     assert y0.shape == (0, OUT) and dx0.shape == (0, IN)
-    for w, i, d in zip(layer.weights, init, dw_ref):
-        assert rel_err(w.main_grad - i, d) < 1e-2
+    for w, i in zip(layer.weights, init):
+        assert torch.equal(w.main_grad, i)
 
 
-def test_main_grad_false_gives_bfloat16_grads():
-    layer = make_layer(main_grad=False)
-    x = torch.randn(sum(COUNTS), IN).bfloat16()
-    upstream = torch.randn(sum(COUNTS), OUT)
-    y, dx = step(layer, x, offsets_of(COUNTS), upstream)
-    y_ref, dx_ref, dw_ref = loop_reference(x, layer.weights, COUNTS, upstream)
+@pytest.mark.parametrize("device", DEVICES)
+def test_main_grad_false_gives_bfloat16_grads(device):
+    _, in_features, out_features, counts = PROBLEMS[device]
+    layer = device_layer(device, main_grad=False)
+    x, dy, offsets = device_inputs(device)
+    y, dx = step_dy(layer, x, offsets, dy)
+    y_ref, dx_ref, dw_ref = loop_reference(x, layer.weights, counts, dy)
     grads = [w.grad for w in layer.weights]
-    assert all(g.dtype == torch.bfloat16 and g.shape == (IN, OUT) for g in grads)
+    assert all(g.dtype == torch.bfloat16 and g.shape == (in_features, out_features)
+               for g in grads)
     assert rel_err(grads, dw_ref) < 1e-2
-    assert not grads[1].any()  # the empty expert: zeros
+    assert all(not g.any() for g, c in zip(grads, counts) if c == 0)  # empty experts: zeros
     assert rel_err(dx, dx_ref) < 1e-2
     assert not any(hasattr(w, "main_grad") for w in layer.weights)
     # A second pass: autograd adds into the existing .grad as usual.
     first = [g.clone() for g in grads]
-    step(layer, x, offsets_of(COUNTS), upstream)
+    step_dy(layer, x, offsets, dy)
     assert rel_err([w.grad for w in layer.weights], [2 * f.double() for f in first]) < 1e-2
 
 
@@ -278,3 +358,168 @@ def test_main_grad_errors_name_the_weight():
     layer.weight2 = torch.nn.Parameter(torch.zeros(IN, OUT))
     with pytest.raises(ValueError, match=r"^weight2: expected a bfloat16 \(32, 48\) parameter"):
         layer(x, offsets)
+
+
+# --- on a GPU only -------------------------------------------------------------------------------
+
+
+def cuda_offsets(counts):
+    return offsets_of(counts, "cuda")
+
+
+def cuda_layer(main_grad=True):
+    return device_layer("cuda", main_grad)
+
+
+def cuda_inputs(counts=CUDA_COUNTS):
+    return device_inputs("cuda", counts)
+
+
+class TestCuda:
+    pytestmark = GPU
+
+    def test_main_grads_accumulate_over_steps(self):
+        layer = cuda_layer()
+        init = [torch.randn(CUDA_IN, CUDA_OUT, device="cuda") for _ in range(CUDA_E)]
+        for w, i in zip(layer.weights, init):
+            w.main_grad.copy_(i)
+        addresses = [w.main_grad.data_ptr() for w in layer.weights]
+        want = [torch.zeros(CUDA_IN, CUDA_OUT, dtype=torch.float64, device="cuda")
+                for _ in range(CUDA_E)]
+        for counts in (CUDA_COUNTS, [0, 300, 0, 700, 1, 999, 0, 0], [250] * 8):
+            x, dy, offsets = cuda_inputs(counts)
+            step_dy(layer, x, offsets, dy)
+            _, _, dw = loop_reference(x, layer.weights, counts, dy)
+            want = [a + b for a, b in zip(want, dw)]
+        gwgrad.check_errors()
+        assert [w.main_grad.data_ptr() for w in layer.weights] == addresses
+        added = [w.main_grad.double() - i.double() for w, i in zip(layer.weights, init)]
+        assert rel_err(added, want) < 1e-5
+
+    def test_main_grads_add_exactly_with_integer_values(self):
+        # Integer-valued x, dy and main grads: every product and FP32 sum is exact.
+        layer = cuda_layer()
+        with torch.no_grad():
+            for w in layer.weights:
+                w.copy_(torch.randint(-2, 3, (CUDA_IN, CUDA_OUT), device="cuda"))
+                w.main_grad.copy_(torch.randint(-100, 101, (CUDA_IN, CUDA_OUT), device="cuda"))
+        want = [w.main_grad.double().clone() for w in layer.weights]
+        for counts in (CUDA_COUNTS, [0, 64, 1, 35, 0, 0, 200, 7], [10] * 8):
+            x = torch.randint(-2, 3, (sum(counts), CUDA_IN), device="cuda").bfloat16()
+            dy = torch.randint(-2, 3, (sum(counts), CUDA_OUT), device="cuda").bfloat16()
+            step_dy(layer, x, cuda_offsets(counts), dy)
+            _, _, dw = loop_reference(x, layer.weights, counts, dy)
+            want = [a + b for a, b in zip(want, dw)]
+        for w, expected in zip(layer.weights, want):
+            assert torch.equal(w.main_grad.double(), expected)
+
+    def test_weight_gradient_step_allocates_no_dw_temporary(self):
+        layer = cuda_layer()
+        x, dy, offsets = cuda_inputs()
+        step_dy(layer, x, offsets, dy)  # warm-up: compile, plan, pointer array, workspace
+        step_dy(layer, x, offsets, dy, x_grad=False)
+        addresses = [w.main_grad.data_ptr() for w in layer.weights]
+        dw_fp32 = CUDA_E * CUDA_IN * CUDA_OUT * 4
+        stack_bf16 = CUDA_E * CUDA_IN * CUDA_OUT * 2
+        dx_bytes = CUDA_TOKENS * CUDA_IN * 2
+
+        def backward_peak(x_grad):
+            xx = x.detach().clone().requires_grad_(x_grad)
+            y = layer(xx, offsets)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            y.backward(dy)
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - before
+
+        # The weight-gradient step alone (x needs no gradient): nothing of dW's size.
+        extra = backward_peak(False)
+        bound = 256 << 10
+        assert extra <= bound, f"weight-gradient backward allocated {extra} B (bound {bound} B, " \
+                               f"FP32 dW is {dw_fp32} B)"
+        # The whole backward: dx and the stacked bfloat16 weights (for dx), no FP32 dW on top.
+        extra_all = backward_peak(True)
+        assert extra_all < dx_bytes + stack_bf16 + dw_fp32, (extra_all, dx_bytes, stack_bf16)
+        assert extra_all <= dx_bytes + stack_bf16 + bound, (extra_all, dx_bytes, stack_bf16)
+        assert [w.main_grad.data_ptr() for w in layer.weights] == addresses
+        assert all(w.grad is None for w in layer.weights)
+
+    def test_forward_and_backward_do_not_synchronize(self):
+        layer = cuda_layer()
+        x, dy, offsets = cuda_inputs()
+        step_dy(layer, x, offsets, dy)  # warm-up (compiles; caches the pointer array)
+        xx = x.detach().clone().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            y = layer(xx, offsets)
+            y.backward(dy)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        assert xx.grad is not None
+
+    def test_cuda_graph_capture_of_forward_and_backward(self):
+        layer = cuda_layer()
+        x = torch.randn(CUDA_TOKENS, CUDA_IN, dtype=torch.bfloat16, device="cuda").requires_grad_()
+        dy = torch.randn(CUDA_TOKENS, CUDA_OUT, dtype=torch.bfloat16, device="cuda")
+        offsets = cuda_offsets(CUDA_COUNTS)
+        # Warm up on a side stream, as capture wants: compiles, caches plans and the pointer array.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                layer(x, offsets).backward(dy)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        x.grad = None
+        graph = torch.cuda.CUDAGraph()
+        # Capture on a stream of the tensors' device: torch.cuda.graph's default capture
+        # stream is made once per process, on the device current at its first use.
+        with torch.cuda.graph(graph, stream=side):
+            y = layer(x, offsets)
+            y.backward(dy)
+        dx_graph = x.grad  # allocated in the graph's pool; every replay rewrites it
+        assert dx_graph is not None
+        layer.zero_main_grad()
+        eighth = CUDA_TOKENS // 8
+        replays = [CUDA_COUNTS, [0, 0, 0, CUDA_TOKENS, 0, 0, 0, 0],
+                   [eighth] * 7 + [CUDA_TOKENS - 7 * eighth],
+                   [1, 2, 3, 4, 5, 6, 7, CUDA_TOKENS - 28], [0, 1000, 0, 999, 0, 0, 0, 0]]
+        for counts in replays:
+            assert sum(counts) == CUDA_TOKENS
+            offsets.copy_(cuda_offsets(counts))  # the captured tensor, new values
+            before = [w.main_grad.clone() for w in layer.weights]
+            graph.replay()
+            got_y, got_dx = y.detach().clone(), dx_graph.clone()
+            got_main = [w.main_grad.clone() for w in layer.weights]
+            # An eager step from the same main grads, on the same inputs and offsets.
+            for w, b in zip(layer.weights, before):
+                w.main_grad.copy_(b)
+            want_y, want_dx = step_dy(layer, x, offsets, dy)
+            gwgrad.check_errors()
+            assert torch.equal(got_y, want_y), counts
+            assert torch.equal(got_dx, want_dx), counts
+            for e, (g, w) in enumerate(zip(got_main, layer.weights)):
+                assert torch.equal(g, w.main_grad), (counts, e)
+            # and against float64
+            _, _, dw_ref = loop_reference(x, layer.weights, counts, dy)
+            assert rel_err([g - b for g, b in zip(got_main, before)], dw_ref) < 1e-5
+            for e, c in enumerate(counts):
+                if c == 0:
+                    assert torch.equal(got_main[e], before[e])
+
+    def test_device_errors_name_the_argument(self):
+        layer = cuda_layer()
+        x, _, offsets = cuda_inputs()
+        # The current device, which is not cuda:0 in a process where JAX initialized two GPUs.
+        device = str(layer.weight0.device)
+        assert x.device == layer.weight0.device
+        with pytest.raises(ValueError, match=rf"^offsets: expected a tensor on {device} like x"):
+            layer(x, offsets.cpu())
+        with pytest.raises(ValueError, match=rf"^x: expected a tensor on {device}"):
+            layer(x.cpu(), offsets)
+        layer.weight4.main_grad = torch.zeros(CUDA_IN, CUDA_OUT)  # on the CPU
+        with pytest.raises(ValueError, match=rf"^weight4.main_grad: expected .*on {device}"):
+            layer(x, offsets)

@@ -28,7 +28,7 @@ LOG="$OUT/run.log"
 BUDGET=${GWGRAD_RUN_BUDGET_S:-570}
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PYTHON:-$(command -v python || command -v python3)}
-TESTS=${GWGRAD_GPU_TESTS:-tests/test_sm90_kernel_gpu.py tests/test_api_gpu.py tests/test_adapter_torch_gpu.py tests/test_adapter_jax_gpu.py tests/test_adapter_cupy_gpu.py tests/test_status_gpu.py tests/test_alignment_gpu.py}
+TESTS=${GWGRAD_GPU_TESTS:-tests/test_sm90_kernel_gpu.py tests/test_api_gpu.py tests/test_adapter_torch.py tests/test_adapter_jax_gpu.py tests/test_adapter_cupy.py tests/test_status_gpu.py tests/test_alignment_gpu.py tests/test_cudnn_api_gpu.py}
 
 say() { echo "$*" | tee -a "$LOG"; }
 # allow CAP: the seconds a step may run (its cap, or what is left of the budget; 0: skip it)
@@ -222,7 +222,7 @@ for s in $steps; do
       # The reliability GPU tests: the main-grad layer, the short soak, two-GPU expert
       # parallelism (skips with one GPU).
       step reliability 300 || continue
-      capture "$PY" -m pytest -q -rs -rP -p no:cacheprovider tests/test_grouped_linear_gpu.py \
+      capture "$PY" -m pytest -q -rs -rP -p no:cacheprovider tests/test_grouped_linear.py \
         tests/test_soak.py tests/test_expert_parallel_gpu.py ${GWGRAD_RELIABILITY_EXTRA-}
       grep -E "PASS|FAIL|passed|failed|error|max relative" "$OUT/step.txt" | tail -30
       done_step reliability $rc ;;

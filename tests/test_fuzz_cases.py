@@ -507,6 +507,7 @@ def test_sanitize_lists_its_cases_and_each_passes_the_support_check():
 
 
 def test_sanitize_cases_run_on_the_cpu():
+    pytest.importorskip("torch")  # the sanitizer's cases are torch programs
     out = subprocess.run([sys.executable, SANITIZE, "--child", "--device", "cpu", "--cases",
                           "all"], capture_output=True, text=True, env=_env(), timeout=600)
     text = out.stdout + out.stderr
@@ -593,6 +594,7 @@ def test_sanitize_parent_runs_baseline_and_tools(tmp_path):
     """The parent's whole flow on the CPU (children with --device cpu) with a stand-in for
     compute-sanitizer: baseline, two tools, the JSON, the exit status; then a reported error
     makes the run fail and is attributed to its case."""
+    pytest.importorskip("torch")  # the sanitizer's cases are torch programs
     fake = tmp_path / "compute-sanitizer"
     fake.write_text(FAKE_SANITIZER.format(python=sys.executable))
     fake.chmod(0o755)

@@ -20,6 +20,7 @@ import pytest
 import gwgrad
 from gwgrad import selftest as st
 from gwgrad.errors import UnsupportedError
+from cudnn_cases import stand_in  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -237,3 +238,106 @@ def test_runs_from_an_installed_wheel_with_only_numpy(tmp_path):
     for r in json.loads(out.read_text())["results"]:
         assert r["status"] == "pass", r
         assert r["gwgrad"] == str(site / "gwgrad")  # the children ran the wheel's gwgrad too
+
+
+# --- the GPU path's calls on every architecture, without a GPU ------------------------------
+
+class _Descriptors:
+    """Made-up CUDA descriptors (tests/cudnn_cases.py): the wrapper's CUDA path up to the
+    (stand-in) launch; outputs read back as zeros."""
+
+    is_cuda = True
+    name = "descriptors"
+
+    def put(self, t):
+        from cudnn_cases import cuda
+
+        return cuda(t.shape, t.strides, t.dtype)
+
+    def address(self, arg):
+        return arg.ptr
+
+    def read(self, arg):
+        from gwgrad.hostview import RAW_NUMPY
+
+        return np.zeros(arg.shape, RAW_NUMPY[arg.dtype])
+
+    def sync(self):
+        pass
+
+
+GEMM_CELLS = [(c, arch) for c in st.CASES if c.kind != "quantize" for arch in st.ALL_ARCHS]
+
+
+def _check_cell(case, arch, launches, seed, monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", arch)
+    monkeypatch.setattr(gwgrad.cuda, "device_synchronize", lambda device: None)  # check_errors
+    gwgrad.clear_cache()
+    g = case.what
+    problem = st.build_gemm(g, np.random.default_rng(seed))
+    if arch in case.archs:
+        st.call_gemm(_Descriptors(), problem, g)  # no UnsupportedError, no ArgumentError
+        assert len(launches.calls) == 1
+    else:
+        with pytest.raises(NotImplementedError) as info:
+            st.call_gemm(_Descriptors(), problem, g)
+        assert set(info.value.needs) & set(case.archs), info.value
+        assert launches.calls == []
+
+
+@pytest.mark.parametrize("case,arch", GEMM_CELLS, ids=lambda v: getattr(v, "name", v))
+def test_case_architectures_are_the_backends(case, arch, stand_in, seed,  # noqa: F811
+                                             monkeypatch):
+    """Each GEMM case's architectures are the ones whose backend takes its call (the wrapper's
+    CUDA path with stand-in kernels): a listed architecture launches, another raises
+    NotImplementedError naming one that runs it (what "needs SMxx" reports)."""
+    _check_cell(case, arch, stand_in, seed, monkeypatch)
+
+
+@pytest.fixture
+def compiling_stand_in(monkeypatch):
+    """``stand_in`` (tests/cudnn_cases.py) with the kernels compiled for real, which needs no
+    GPU; only the launch is a recorder."""
+    import contextlib
+    import ctypes
+
+    from cudnn_cases import Launches, _record
+    from gwgrad.backends import _cutedsl
+
+    launches = Launches()
+    monkeypatch.setattr(_cutedsl.CuteDslBackend, "launcher",
+                        lambda self, compiled, spec, device: (
+                            lambda *values: launches.calls.append(values)))
+    ctypes.memset(_record, 0, ctypes.sizeof(_record))
+    monkeypatch.setattr(gwgrad.status, "_address", ctypes.addressof(_record))
+    monkeypatch.setattr(gwgrad.status, "_code",
+                        ctypes.c_int32.from_address(ctypes.addressof(_record)))
+    monkeypatch.setattr(gwgrad.interop, "workspace", lambda device, stream, nbytes: 0xABC000)
+    monkeypatch.setattr(gwgrad.cuda, "stream_is_capturing", lambda stream: False)
+    monkeypatch.setattr(gwgrad.cuda, "on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(gwgrad.cuda, "memset_async", lambda ptr, nbytes, stream: None)
+    gwgrad.clear_cache()
+    yield launches
+    gwgrad.clear_cache()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("case,arch", [(c, a) for c, a in GEMM_CELLS if a in c.archs],
+                         ids=lambda v: getattr(v, "name", v))
+def test_case_kernels_compile(case, arch, compiling_stand_in, seed, monkeypatch):
+    """The kernel each supported case launches on the GPU compiles for its architecture."""
+    pytest.importorskip("cutlass")
+    _check_cell(case, arch, compiling_stand_in, seed, monkeypatch)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("case,arch", [(c, a) for c in st.CASES if c.kind == "quantize"
+                                       for a in ("sm_90a", "sm_100a")],
+                         ids=lambda v: getattr(v, "name", v))
+def test_case_quantizers_compile(case, arch):
+    pytest.importorskip("cutlass")
+    from gwgrad import quantizers as Q
+
+    q = case.what
+    elem = Q._elem(q.fmt, q.elem)
+    Q.compile_quantizer(Q.kernel_config(q.fmt, elem, st.QUANT_CHANNELS, st.EXPERTS), arch)

@@ -912,7 +912,7 @@ def table(records: Sequence[Dict[str, Any]]) -> str:
     for r in records:
         detail = r["detail"] if r["status"] != "needs" else r["detail"].split(": ", 1)[-1]
         rows.append((r["case"], r.get("family", "-"), r["format"], result_text(r),
-                     f"{r['seconds']:.1f}", _short(detail, 90)))
+                     f"{r['seconds']:.1f}", _short(detail, 100)))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     lines = []
     for i, row in enumerate(rows):

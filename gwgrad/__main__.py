@@ -1,10 +1,12 @@
-"""``python -m gwgrad [info|demo|bench] [bench options]``.
+"""``python -m gwgrad [info|demo|bench|selftest] [bench / selftest options]``.
 
 With no command: on a machine with a CUDA GPU, the benchmark (``benchmarks.wgrad``); without
 one, what the machine can do: the CPU demo through the public API, and a compile-only check of
 the kernels. The benchmark and the demo live in the source checkout's ``benchmarks/``, which the
 wheel does not install: run from a checkout (an editable install or the checkout on
-``PYTHONPATH``) for them; ``info`` works anywhere.
+``PYTHONPATH``) for them; ``info`` and ``selftest`` (gwgrad/selftest.py: a short correctness
+check of every kernel family and format the GPU supports, the first thing to run on a new GPU)
+work anywhere.
 """
 
 from __future__ import annotations
@@ -101,11 +103,14 @@ def _parser() -> argparse.ArgumentParser:
                "compile-only kernel check without one. `python -m gwgrad bench --help` lists "
                "the benchmark's options.")
     parser.add_argument("--version", action="version", version=f"gwgrad {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{info,demo,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{info,demo,bench,selftest}")
     sub.add_parser("info", help="versions, GPUs, the kernel cache")
     sub.add_parser("demo", help="the CPU demo (reference backend)")
     sub.add_parser("bench", help="the H100/H200 benchmark (needs a GPU and the source "
                    "checkout: python -m benchmarks.wgrad)", add_help=False)
+    sub.add_parser("selftest", help="check every kernel family and format this GPU supports "
+                   "against the CPU reference (the first run on a new GPU; `python -m gwgrad "
+                   "selftest --help`)", add_help=False)
     return parser
 
 
@@ -113,6 +118,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":  # the benchmark parses its own options (and --help)
         return int(_benchmarks("wgrad", "bench").main(argv[1:]) or 0)
+    if argv and argv[0] == "selftest":  # its own options (and --help)
+        from . import selftest
+
+        return selftest.main(argv[1:])
     args = _parser().parse_args(argv)  # --help, --version; unknown options exit with code 2
     if args.command == "info":
         return info()

@@ -94,6 +94,79 @@ def check_blockscaled_ptx(ptx: str, fmt: str, accumulate: bool, two_cta: bool) -
         assert "cp.reduce.async.bulk" not in body
 
 
+# -- what the unit hand-off and the config carry ---------------------------------------------
+
+
+def kernel_of(fmt, tile=None, cluster=None, **kw):
+    from gwgrad.backends import finalize_spec
+
+    s, backend = finalize_spec(bs_spec("sm_100a", fmt, tile=tile, cluster=cluster, **kw))
+    return backend.make_kernel(s)
+
+
+_PTX = {}
+
+
+def ptx_of(fmt, tile, cluster):
+    """The GEMM body of a compile, shared by the tests of this section."""
+    key = (fmt, tile, cluster)
+    if key not in _PTX:
+        _PTX[key] = compile_ptx(bs_spec("sm_100a", fmt, tile=tile, cluster=cluster))
+    return _PTX[key]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_mma_warp_takes_the_token_count_from_the_unit_words(fmt):
+    """No global load in the MMA warp, from its TMEM hand-off to its last commit: the
+    expert's token count (the step skip) comes in the unit words."""
+    body = gemm_body(ptx_of(fmt, (256, 256), (2, 1)))
+    cp = body.index("tcgen05.cp")
+    mma = body[body.rindex("bar.sync \t2, 160;", 0, cp):body.rindex("tcgen05.commit")]
+    assert not re.findall(r"ld\.global[^;]*;", mma)
+
+
+@pytest.mark.compile
+def test_alpha_is_loaded_before_the_accumulator_wait():
+    """The epilogue's loads of NVFP4's global scales go out before it waits for the
+    accumulator (they do not depend on it)."""
+    body = gemm_body(ptx_of("nvfp4", (256, 256), (2, 1)))
+    epi = body[body.index("tcgen05.alloc"):]
+    first_ld = epi.index("tcgen05.ld.")
+    wait = epi.rindex("mbarrier.try_wait", 0, first_ld)
+    loads = [m.start() for m in re.finditer(r"ld\.global\.b32", epi[:first_ld])]
+    assert len(loads) >= 2 and loads[1] < wait
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_empty_units_skip_the_descriptor_fences(fmt):
+    """The TMA warp fences and prefetches an expert's descriptors only for a unit with K
+    blocks: the branch around the first acquire also tests k_tiles < 1."""
+    body = gemm_body(ptx_of(fmt, (256, 256), (2, 1)))
+    fence = body.index("fence.proxy.tensormap::generic.acquire")
+    branch = re.findall(r"@(%p\d+) bra", body[:fence])[-1]
+    pred = re.search(rf"or\.pred\s+{branch},\s*(%p\d+),\s*(%p\d+);", body)
+    assert pred, branch
+    tests = [re.search(rf"setp\.[\w.]+\s+{p},[^;]+;", body).group(0) for p in pred.groups()]
+    assert any(re.search(r"setp\.lt\.s32\s+%p\d+,\s*%r\d+,\s*1;", t) for t in tests), tests
+
+
+@pytest.mark.parametrize("fmt,sf", [("nvfp4", "float8_e8m0fnu"), ("mxfp4", "float8_e4m3fn"),
+                                    ("mxfp8", "float8_e4m3fn"), ("mxfp8", "")])
+def test_kernel_checks_the_scale_dtype(fmt, sf):
+    """The config carries the scale dtype; the kernel refuses one that does not pair with
+    sf_vec_size (validation refuses it first; this is the kernel's own check)."""
+    from gwgrad.kernels.sm100_blockscaled import Sm100BlockScaledGroupedWgrad as K
+
+    kernel = kernel_of(fmt)
+    assert kernel.cfg.sf_dtype == FORMATS[fmt][2].value
+    bad = dataclasses.replace(kernel.cfg, sf_dtype=sf)
+    assert K.can_implement(bad, kernel.mma_tiler_mn)[0] == "sf_dtype"
+    with pytest.raises(ValueError, match="^sf_dtype: "):
+        K(bad, kernel.mma_tiler_mn)
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("fmt,majors,order,mode,out,acc", MODES,
                          ids=lambda v: v if isinstance(v, str) else str(v))

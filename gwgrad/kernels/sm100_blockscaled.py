@@ -56,7 +56,7 @@ from .common import (
     scale_columns,
     tma_desc_ptr_for_copy,
 )
-from .sm100_bf16 import Sm100GroupedWgrad
+from .sm100_bf16 import UNIT_WORDS, Sm100GroupedWgrad
 from .tiling import sm100_blockscaled_problem
 
 TMEM_COLUMNS = 512  # all of an SM's tensor memory: accumulators + one K block's scale factors
@@ -64,6 +64,9 @@ FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 FP4_DTYPE = "float4_e2m1fn_x2"
 #: Tokens per K block (four MMA instructions) by operand family.
 TILE_K = {"fp8": 128, "fp4": 256}
+#: Scale dtype of each sf_vec_size: E4M3 with 16-token blocks (NVFP4), E8M0 with 32 (MX).
+SF_DTYPES = {16: "float8_e4m3fn", 32: "float8_e8m0fnu"}
+_SF_CUTLASS = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e8m0fnu": cutlass.Float8E8M0FNU}
 
 
 def operand_family(dtype: str) -> str:
@@ -73,11 +76,13 @@ def operand_family(dtype: str) -> str:
 class Sm100BlockScaledGroupedWgrad(ScaledEntryPoints, Sm100GroupedWgrad):
     """One compiled kernel per ProblemConfig (scale_recipe "blocked", sf_descriptors set)."""
 
+    #: The unit words carry the expert's token count (the MMA warp's step skip).
+    unit_word_count = UNIT_WORDS + 1
+
     def __init__(self, cfg: ProblemConfig, mma_tiler_mn: Tuple[int, int]):
         super().__init__(cfg, mma_tiler_mn)  # runs can_implement (this class's)
         self.sf_vec = cfg.sf_vec
-        # E4M3 scales with 16-token blocks (NVFP4), E8M0 with 32 (MXFP8, MXFP4).
-        self.sf_dtype = cutlass.Float8E4M3FN if cfg.sf_vec == 16 else cutlass.Float8E8M0FNU
+        self.sf_dtype = _SF_CUTLASS[cfg.sf_dtype]
         # Two accumulator stages of tile_n columns, unless that leaves no TMEM for the scale
         # factors (tile_n = 256: one stage, as the example does).
         self.acc_stage = 1 if mma_tiler_mn[1] == 256 else 2
@@ -103,6 +108,9 @@ class Sm100BlockScaledGroupedWgrad(ScaledEntryPoints, Sm100GroupedWgrad):
         if family == "fp4" and cfg.sf_vec not in (16, 32):
             return ("sf_vec_size", f"expected 16 (NVFP4) or 32 (MXFP4) for FP4 operands, got "
                                    f"{cfg.sf_vec}")
+        if cfg.sf_dtype != SF_DTYPES[cfg.sf_vec]:
+            return ("sf_dtype", f"expected {SF_DTYPES[cfg.sf_vec]} scales with sf_vec_size "
+                                f"{cfg.sf_vec}, got {cfg.sf_dtype or 'none'}")
         if family == "fp4":
             for name, major in (("a_tensor", cfg.a_major), ("b_tensor", cfg.b_major)):
                 if major != "k":
@@ -411,8 +419,9 @@ class Sm100BlockScaledGroupedWgrad(ScaledEntryPoints, Sm100GroupedWgrad):
                 tCtSFB_s2t)
 
     @cute.jit
-    def unit_tokens(self, ws, expert):
-        return ws.ranges[2 * expert + 1] - ws.ranges[2 * expert]
+    def unit_extra_words(self, ws, expert, begin):
+        """The expert's token count, for the MMA warp's step skip (mma_block)."""
+        return (ws.ranges[2 * expert + 1] - begin,)
 
     @cute.jit
     def mma_block(self, tiled_mma, tCtAcc, tCrA, tCrB, stage, k_tile, block_state, tokens):

@@ -132,7 +132,10 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         self.cta_group = tcgen05.CtaGroup.TWO if self.use_2cta_instrs else tcgen05.CtaGroup.ONE
         self.num_threads = 32 * NUM_WARPS
         self.num_epi_threads = 32 * NUM_EPI_WARPS
+        # Accumulator pipeline stages, each its own TMEM buffer of tile_n columns (the
+        # block-scaled kernel overlaps two buffers on one stage where two do not fit).
         self.acc_stage = 2
+        self.overlapping_accum = False
         self.arch = "sm_100"
 
     @staticmethod
@@ -843,9 +846,9 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                 if cutlass.const_expr(cfg.output_mode == "dense"):
                     bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, expert)]
                     self.store_tile(
-                        tTR_tAcc_base, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc,
-                        tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, None,
-                        c_pipeline, epi_bar, warp_idx, n_done, alpha,
+                        tTR_tAcc_base, acc_pipeline, acc_state, k_tiles, tiled_copy_t2r,
+                        tTR_rAcc, tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC,
+                        None, c_pipeline, epi_bar, warp_idx, n_done, alpha,
                     )
                 else:
                     bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, 0)]
@@ -853,17 +856,24 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                         acquire_descriptor(ws, expert, DESC_C)
                     desc_c = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_C))
                     self.store_tile(
-                        tTR_tAcc_base, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc,
-                        tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, desc_c,
-                        c_pipeline, epi_bar, warp_idx, n_done, alpha,
+                        tTR_tAcc_base, acc_pipeline, acc_state, k_tiles, tiled_copy_t2r,
+                        tTR_rAcc, tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC,
+                        desc_c, c_pipeline, epi_bar, warp_idx, n_done, alpha,
                     )
                 n_done += 1
             # Every epilogue thread releases the stage (as torch_grouped_mm does); an empty
-            # unit has no accumulator stage to wait for or release.
+            # unit has no accumulator stage to wait for or release. With overlapping buffers
+            # store_tile released it early (after the sub-tiles the next buffer overlaps);
+            # a unit it did not store releases here.
             if k_tiles > 0:
-                # This thread's TMEM loads are complete before the MMA may overwrite the stage.
-                cute.arch.fence_view_async_tmem_load()
-                acc_pipeline.consumer_release(acc_state)
+                if cutlass.const_expr(self.overlapping_accum):
+                    if not store:
+                        acc_pipeline.consumer_release(acc_state)
+                else:
+                    # This thread's TMEM loads are complete before the MMA may overwrite
+                    # the stage.
+                    cute.arch.fence_view_async_tmem_load()
+                    acc_pipeline.consumer_release(acc_state)
                 acc_state.advance()
 
             expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
@@ -897,22 +907,39 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
 
     @cute.jit
     def store_tile(
-        self, tTR_tAcc_base, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc, tiled_copy_r2s,
-        tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, desc_c, c_pipeline, epi_bar, warp_idx, n_done,
-        alpha,
+        self, tTR_tAcc_base, acc_pipeline, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc,
+        tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, desc_c, c_pipeline,
+        epi_bar, warp_idx, n_done, alpha,
     ):
         """TMEM -> registers (times `alpha` unless None) -> output dtype -> shared memory ->
         TMA store, sub-tile by sub-tile (the store itself: store_subtile, issued by the first
-        epilogue warp)."""
-        tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, self.acc_buffer(acc_state, False))]
+        epilogue warp).
+
+        Overlapping accumulator buffers (block-scaled, tile_n = 256; see acc_fragment
+        there): buffer 0's sub-tiles go last to first, buffer 1's first to last, so the
+        columns the two buffers share come first; once those are in registers (after
+        acc_release_subtile) this thread releases the stage and the MMA warp may start the
+        next unit in the other buffer while the rest of this one is stored. The staging
+        buffer follows the issue order, so consecutive stores never share one."""
+        acc_buf = self.acc_buffer(acc_state, False)
+        tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_buf)]
         tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
         bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
         subtiles = cute.size(tTR_tAcc.shape, mode=[3])
         first = n_done * subtiles
         for sub in cutlass.range(subtiles):
+            real = sub
+            if cutlass.const_expr(self.overlapping_accum):
+                if acc_buf == 0:
+                    real = subtiles - 1 - sub
             acc_vec = cute.zeros_like(tiled_copy_r2s.retile(tTR_rAcc))
             if k_tiles > 0:
-                cute.copy(tiled_copy_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
+                cute.copy(tiled_copy_t2r, tTR_tAcc[(None, None, None, real)], tTR_rAcc)
+                if cutlass.const_expr(self.overlapping_accum):
+                    if sub == self.acc_release_subtile:
+                        # This thread's TMEM loads of the shared columns are complete.
+                        cute.arch.fence_view_async_tmem_load()
+                        acc_pipeline.consumer_release(acc_state)
                 acc_vec = tiled_copy_r2s.retile(tTR_rAcc).load()
                 if cutlass.const_expr(alpha is not None):
                     acc_vec = acc_vec * alpha
@@ -924,6 +951,6 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             epi_bar.arrive_and_wait()
             if warp_idx == WarpRole.EPILOGUE:
                 self.store_subtile(
-                    tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, sub)], desc_c, c_pipeline
+                    tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, real)], desc_c, c_pipeline
                 )
             epi_bar.arrive_and_wait()

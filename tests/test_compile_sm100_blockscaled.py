@@ -6,6 +6,10 @@ block32 / block16 scale vectors), the scale factors' tcgen05.cp, the 2-CTA MMA e
 256-row tiles, the whole 512-column TMEM allocation, the TMA reduce-add exactly when
 accumulating, the BF16 kernel's CLC schedule and unit hand-off, and the device-side offsets
 check. Rejected combinations raise a ValueError naming the argument before anything compiles.
+On the 256x256, 128x256 and 128x128 tiles of each format the PTX also shows where TMEM holds
+the two accumulator buffers and the scale factors (the kernel's TmemPlan: overlapping buffers
+at 256 columns), the transaction bytes of a stage (from the tile shapes alone), and that the
+unit hand-off keeps global loads off the MMA warp and before the epilogue's accumulator wait.
 
 Modes are checked on the default tile and tilings on the default mode (the kernel's mode
 branches and its tiling are independent compile-time choices of the same code), and a seeded
@@ -92,6 +96,184 @@ def check_blockscaled_ptx(ptx: str, fmt: str, accumulate: bool, two_cta: bool) -
         assert "cp.reduce.async.bulk.tensor" in body and ".add." in body
     else:
         assert "cp.reduce.async.bulk" not in body
+
+
+# -- TMEM: two accumulator buffers and the scale factors -------------------------------------
+PLAN_TILINGS = [((256, 256), (2, 1)), ((128, 256), (1, 1)), ((128, 128), (1, 1))]
+SF_FORMATS = ["mxfp8", "nvfp4", "mxfp4"]
+
+
+def kernel_of(fmt, tile=None, cluster=None, **kw):
+    from gwgrad.backends import finalize_spec
+
+    s, backend = finalize_spec(bs_spec("sm_100a", fmt, tile=tile, cluster=cluster, **kw))
+    return backend.make_kernel(s)
+
+
+_PTX = {}
+
+
+def ptx_of(fmt, tile, cluster):
+    """The GEMM body of a compile, shared by the tests of this section."""
+    key = (fmt, tile, cluster)
+    if key not in _PTX:
+        _PTX[key] = compile_ptx(bs_spec("sm_100a", fmt, tile=tile, cluster=cluster))
+    return _PTX[key]
+
+
+def tmem_columns_of(body: str, regs) -> list:
+    """The TMEM column offsets of addresses in `regs`: each `add.s32 reg, base, C` over the
+    allocation's base address (read from shared memory)."""
+    bases = set(re.findall(r"ld\.shared\.b32\s+(%r\d+),\s*\[%r\d+\+\d+\];", body))
+    columns = []
+    for reg in regs:
+        m = re.search(rf"add\.s32\s+{re.escape(reg)},\s*(%r\d+),\s*(-?\d+);", body)
+        assert m and m.group(1) in bases, (reg, m and m.group(0))
+        columns.append(int(m.group(2)))
+    return columns
+
+
+@pytest.mark.parametrize("fmt", SF_FORMATS)
+@pytest.mark.parametrize("tile", sorted({t for t, _ in TILINGS}), ids=lambda t: "x".join(map(str, t)))
+def test_tmem_plan_fits_512_columns(fmt, tile):
+    """Both accumulator buffers and one K block's scale factors fit the 512 TMEM columns;
+    at 256 columns the buffers overlap on exactly the scale factors' column count (the
+    references' overlapping accumulator), elsewhere they are disjoint."""
+    from gwgrad.kernels.sm100_blockscaled import TMEM_COLUMNS, tmem_plan
+
+    vec, family = FORMATS[fmt][3], ("fp4" if FORMATS[fmt][0] == FP4 else "fp8")
+    tile_k = {"fp8": 128, "fp4": 256}[family]
+    plan = tmem_plan(tile, vec, tile_k)
+    # SFA: a CTA's 128 rows; SFB: the n-tile rounded up to 128; tile_k / vec columns per 128
+    assert plan.sf_columns == (128 + max(tile[1], 128)) // 128 * (tile_k // vec)
+    buffers = [set(range(b, b + tile[1])) for b in (0, plan.buffer_stride)]
+    sf = set(range(plan.sf_base, plan.sf_base + plan.sf_columns))
+    assert max(sf) < TMEM_COLUMNS and not sf & (buffers[0] | buffers[1])
+    assert plan.overlapping == (tile[1] == 256)
+    assert len(buffers[0] & buffers[1]) == (plan.sf_columns if plan.overlapping else 0)
+    assert plan.acc_stages == (1 if plan.overlapping else 2)
+    if plan.overlapping:  # nothing left over: SF in the last columns
+        assert plan.sf_base + plan.sf_columns == TMEM_COLUMNS
+        # the sub-tiles read before the release cover the shared columns (32-column sub-tiles)
+        assert (plan.release_subtile(32) + 1) * 32 >= plan.overlap
+    kernel = kernel_of(fmt, tile, (2, 1) if tile[0] == 256 else (1, 1))
+    assert (kernel.acc_stage, kernel.overlapping_accum) == (plan.acc_stages, plan.overlapping)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("fmt", SF_FORMATS)
+@pytest.mark.parametrize("tile,cluster", PLAN_TILINGS, ids=lambda v: "x".join(map(str, v)))
+def test_accumulators_and_scale_factors_in_tmem(fmt, tile, cluster):
+    """In the PTX: the 512-column allocation; the tcgen05.cp destinations of one K block are
+    the plan's scale-factor columns (disjoint 4-column blocks, all >= both accumulator
+    buffers, < 512, SFA + SFB columns in all); the accumulator pipeline's stage count (its
+    "empty" mbarriers); with overlapping buffers, the MMA's accumulator address is the base
+    plus the phase times the plan's buffer stride, and the epilogue waits for its TMEM loads
+    and releases the stage before its first TMA store (early release)."""
+    from gwgrad.kernels.sm100_blockscaled import TMEM_COLUMNS, tmem_plan
+    from test_compile_sm100 import mbarrier_init_counts
+
+    kernel = kernel_of(fmt, tile, cluster)
+    plan = tmem_plan(tile, kernel.cfg.sf_vec, kernel.cfg.tile_k)
+    ptx = ptx_of(fmt, tile, cluster)
+    check_blockscaled_ptx(ptx, fmt, False, two_cta=tile[0] == 256)  # + the 512 columns
+    body = gemm_body(ptx)
+    copies = tmem_columns_of(body, re.findall(r"tcgen05\.cp\.[^\s]+\s+\[(%r\d+)\]", body))
+    assert sorted(copies) == list(range(plan.sf_base, plan.sf_base + plan.sf_columns, 4))
+    assert min(copies) >= plan.buffer_stride + tile[1] and max(copies) + 4 <= TMEM_COLUMNS
+    atom_thr = 2 if tile[0] == 256 else 1
+    assert mbarrier_init_counts(ptx).count(128 * atom_thr) == plan.acc_stages
+    mma_d = re.findall(r"tcgen05\.mma\.[^\s]+\s+\[(%r\d+)\]", body)
+    assert len(set(mma_d)) == 1
+    if plan.overlapping:
+        assert re.search(rf"mad\.lo\.s32\s+{re.escape(mma_d[0])},\s*%r\d+,\s*"
+                         rf"{plan.buffer_stride},\s*%r\d+;", body), mma_d
+        epi = body[body.index("tcgen05.ld."):]
+        store = re.search(r"cp\.(reduce\.)?async\.bulk\.tensor\.\dd\.global\.shared", epi)
+        wait = epi.find("tcgen05.wait::ld")
+        assert 0 <= wait < store.start()
+        assert re.search(r"mbarrier\.arrive\.shared(::cluster)?\.b64", epi[wait:store.start()])
+    else:
+        assert plan.sf_base >= 2 * tile[1]
+
+
+def expected_stage_bytes(fmt, tile):
+    """Transaction bytes of one K block, from the tile shapes alone: per CTA of the MMA, its
+    rows of A and its share of B's columns (tile_k tokens each, 4 or 8 bits), SFA of its
+    128 rows and SFB of the n-tile rounded up to 128 (tile_k / vec scale bytes a row)."""
+    a, _, _, vec, *_ = FORMATS[fmt]
+    bits, tile_k = (4, 256) if a == FP4 else (8, 128)
+    atom_thr = 2 if tile[0] == 256 else 1
+    cta_m, cta_n = tile[0] // atom_thr, tile[1] // atom_thr
+    ab = (cta_m + cta_n) * tile_k * bits // 8
+    sf = (cta_m + max(tile[1], 128)) * (tile_k // vec)
+    return atom_thr * (ab + sf)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("fmt", SF_FORMATS)
+@pytest.mark.parametrize("tile,cluster", PLAN_TILINGS, ids=lambda v: "x".join(map(str, v)))
+def test_transaction_bytes_match_the_tiles(fmt, tile, cluster):
+    """The ab stage's mbarrier.arrive.expect_tx carries exactly the A, B, SFA and SFB bytes a
+    stage's TMA loads deliver (the other expect_tx is the CLC response's 16 bytes): too few
+    and the MMA reads a stage early, too many and it waits forever."""
+    body = gemm_body(ptx_of(fmt, tile, cluster))
+    consts = dict(re.findall(r"mov\.b32\s+(%r\d+),\s*(\d+);", body))
+    tx = [int(consts.get(arg, arg)) for arg in
+          re.findall(r"mbarrier\.arrive\.expect_tx[^\]]*\],\s*([^;]+);", body)]
+    assert sorted(tx) == [16, expected_stage_bytes(fmt, tile)], tx
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_mma_warp_takes_the_token_count_from_the_unit_words(fmt):
+    """No global load in the MMA warp, from its TMEM hand-off to its last commit: the
+    expert's token count (the step skip) comes in the unit words."""
+    body = gemm_body(ptx_of(fmt, (256, 256), (2, 1)))
+    cp = body.index("tcgen05.cp")
+    mma = body[body.rindex("bar.sync \t2, 160;", 0, cp):body.rindex("tcgen05.commit")]
+    assert not re.findall(r"ld\.global[^;]*;", mma)
+
+
+@pytest.mark.compile
+def test_alpha_is_loaded_before_the_accumulator_wait():
+    """The epilogue's loads of NVFP4's global scales go out before it waits for the
+    accumulator (they do not depend on it)."""
+    body = gemm_body(ptx_of("nvfp4", (256, 256), (2, 1)))
+    epi = body[body.index("tcgen05.alloc"):]
+    first_ld = epi.index("tcgen05.ld.")
+    wait = epi.rindex("mbarrier.try_wait", 0, first_ld)
+    loads = [m.start() for m in re.finditer(r"ld\.global\.b32", epi[:first_ld])]
+    assert len(loads) >= 2 and loads[1] < wait
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_empty_units_skip_the_descriptor_fences(fmt):
+    """The TMA warp fences and prefetches an expert's descriptors only for a unit with K
+    blocks: the branch around the first acquire also tests k_tiles < 1."""
+    body = gemm_body(ptx_of(fmt, (256, 256), (2, 1)))
+    fence = body.index("fence.proxy.tensormap::generic.acquire")
+    branch = re.findall(r"@(%p\d+) bra", body[:fence])[-1]
+    pred = re.search(rf"or\.pred\s+{branch},\s*(%p\d+),\s*(%p\d+);", body)
+    assert pred, branch
+    tests = [re.search(rf"setp\.[\w.]+\s+{p},[^;]+;", body).group(0) for p in pred.groups()]
+    assert any(re.search(r"setp\.lt\.s32\s+%p\d+,\s*%r\d+,\s*1;", t) for t in tests), tests
+
+
+@pytest.mark.parametrize("fmt,sf", [("nvfp4", "float8_e8m0fnu"), ("mxfp4", "float8_e4m3fn"),
+                                    ("mxfp8", "float8_e4m3fn"), ("mxfp8", "")])
+def test_kernel_checks_the_scale_dtype(fmt, sf):
+    """The config carries the scale dtype; the kernel refuses one that does not pair with
+    sf_vec_size (validation refuses it first; this is the kernel's own check)."""
+    from gwgrad.kernels.sm100_blockscaled import Sm100BlockScaledGroupedWgrad as K
+
+    kernel = kernel_of(fmt)
+    assert kernel.cfg.sf_dtype == FORMATS[fmt][2].value
+    bad = dataclasses.replace(kernel.cfg, sf_dtype=sf)
+    assert K.can_implement(bad, kernel.mma_tiler_mn)[0] == "sf_dtype"
+    with pytest.raises(ValueError, match="^sf_dtype: "):
+        K(bad, kernel.mma_tiler_mn)
 
 
 @pytest.mark.compile

@@ -58,7 +58,8 @@ class BlockScaledSm100Backend(_cutedsl.CuteDslBackend):
         unit_m = sm100_cta_tile_m(spec.mma_tiler_mn) * spec.cluster_shape_mn[0]
         cfg = _cutedsl.problem_config(spec, "sm100", unit_tile_m=unit_m)
         return dataclasses.replace(cfg, tile_k=TILE_K[operand_family(cfg.ab_dtype)],
-                                   sf_descriptors=True)
+                                   sf_descriptors=True,
+                                   sf_dtype=spec.sf_dtype.value if spec.sf_dtype else "")
 
     def make_kernel(self, spec: StaticSpec):
         from ..kernels.sm100_blockscaled import Sm100BlockScaledGroupedWgrad

@@ -171,6 +171,9 @@ class ProblemConfig:
     # SM100 block-scaled: the prep kernel also writes each expert's scale-factor descriptors
     # (slots desc_sfa / desc_sfb, over the expert's chunk of the blocked layout).
     sf_descriptors: bool = False
+    # SM100 block-scaled: the scale dtype ("float8_e8m0fnu" | "float8_e4m3fn"; "" elsewhere),
+    # checked against sf_vec by the kernel's can_implement rather than inferred from it.
+    sf_dtype: str = ""
     # Kernel launches per call: 2, the prep kernel then the GEMM; 1, the GEMM does the prep
     # work itself before a hand-off (GroupedWgradKernel.prep_in_kernel; SM90 BF16). The
     # single launch needs the workspace's hand-off words zero before its first use.

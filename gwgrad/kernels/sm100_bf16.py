@@ -85,6 +85,7 @@ SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_100")  # 227 KiB p
 CLC_RESPONSE_BYTES = 16
 UNIT_STAGES = 2  # the scheduler warp's unit ring: it runs up to two units ahead of the epilogue
 UNIT_WORDS = 5  # (expert (-1: no more work), unit m, unit n, first token, k tiles)
+#                 (+ the hooks' unit_extra_words: the block-scaled kernel's token count)
 
 NUM_EPI_WARPS = 4
 
@@ -113,6 +114,9 @@ class Barrier(enum.IntEnum):
 class Sm100GroupedWgrad(GroupedWgradKernel):
     """One compiled kernel per ProblemConfig (its tile_m is the cluster's M extent)."""
 
+    #: Words per unit in the unit ring: UNIT_WORDS, then unit_extra_words'.
+    unit_word_count = UNIT_WORDS
+
     def __init__(self, cfg: ProblemConfig, mma_tiler_mn: Tuple[int, int]):
         reason = self.can_implement(cfg, mma_tiler_mn)
         if reason is not None:
@@ -128,7 +132,10 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         self.cta_group = tcgen05.CtaGroup.TWO if self.use_2cta_instrs else tcgen05.CtaGroup.ONE
         self.num_threads = 32 * NUM_WARPS
         self.num_epi_threads = 32 * NUM_EPI_WARPS
+        # Accumulator pipeline stages, each its own TMEM buffer of tile_n columns (the
+        # block-scaled kernel overlaps two buffers on one stage where two do not fit).
         self.acc_stage = 2
+        self.overlapping_accum = False
         self.arch = "sm_100"
 
     @staticmethod
@@ -211,8 +218,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         self.epi_smem_layout_staged = sm100_utils.make_smem_layout_epi(
             self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage
         )
-        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
-        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.acc_stage))
+        tCtAcc_fake = self.acc_fragment(tiled_mma)
         self.num_tmem_alloc_cols = self.tmem_columns(tCtAcc_fake)
         a_copy = cute.size_in_bytes(self.ab_dtype, cute.slice_(self.a_smem_layout_staged, (None, None, None, 0)))
         b_copy = cute.size_in_bytes(self.b_dtype, cute.slice_(self.b_smem_layout_staged, (None, None, None, 0)))
@@ -237,6 +243,17 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
     def tmem_columns(self, tCtAcc_fake) -> int:
         """TMEM columns to allocate: the accumulator stages (the DSL's rounding)."""
         return get_num_tmem_alloc_cols(tCtAcc_fake)
+
+    def acc_fragment(self, tiled_mma):
+        """The accumulator buffers' (fake) TMEM tensor: (MMA, MMA_M, MMA_N, buffer), one
+        buffer per stage."""
+        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+        return tiled_mma.make_fragment_C(cute.append(acc_shape, self.acc_stage))
+
+    def acc_buffer(self, acc_state, producer: bool):
+        """The TMEM buffer of the accumulator stage `acc_state` (the MMA warp's producer state
+        or the epilogue's consumer state): the stage's own."""
+        return acc_state.index
 
     def _load_ops(self, tiled_mma):
         a_op = sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_shape_mn, tiled_mma.thr_id)
@@ -395,7 +412,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             clc_mbar_ptr: cute.struct.MemRange[Int64, 2]
             clc_response: cute.struct.Align[cute.struct.MemRange[Int32, 4], CLC_RESPONSE_BYTES]
             unit_mbar_ptr: cute.struct.MemRange[Int64, UNIT_STAGES * 2]
-            unit_slots: cute.struct.MemRange[Int32, UNIT_STAGES * UNIT_WORDS]
+            unit_slots: cute.struct.MemRange[Int32, UNIT_STAGES * self.unit_word_count]
             tmem_dealloc_mbar: Int64
             tmem_holding_buf: Int32
 
@@ -413,6 +430,14 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True,
         ).make_participants()
+        # The acc "empty" barrier counts threads: every epilogue thread of the pair releases
+        # the stage (after its own tcgen05.wait::ld), 128 of them remotely from the peer CTA
+        # in 2-CTA. Kept deliberately: cuDNN frontend's wgrad kernel and torch_grouped_mm,
+        # the grouped references, do the same; it is one release per unit (not per K block);
+        # the warp-counted form (the dense example's: 4 warps x 2 CTAs, elect_one after the
+        # warp-synchronous tcgen05.wait::ld) saves ~250 DSMEM arrives per unit, which cannot
+        # be measured without an SM100 GPU, and would change the release protocol of a
+        # kernel that has never run. docs/BLACKWELL.md lists it to measure on hardware.
         acc_pipeline = pipeline.PipelineUmmaAsync.create(
             barrier_storage=storage.acc_full_mbar_ptr.data_ptr(),
             num_stages=self.acc_stage,
@@ -446,7 +471,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             defer_sync=True,
         )
         unit_slots = cute.make_tensor(
-            storage.unit_slots.data_ptr(), cute.make_layout((UNIT_WORDS, UNIT_STAGES))
+            storage.unit_slots.data_ptr(),
+            cute.make_layout((self.unit_word_count, UNIT_STAGES)),
         )
         tmem = TmemAllocator(
             storage.tmem_holding_buf.ptr,
@@ -481,8 +507,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             )
         tCrA = tiled_mma.make_fragment_A(sA)
         tCrB = tiled_mma.make_fragment_B(sB)
-        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
-        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.acc_stage))
+        tCtAcc_fake = self.acc_fragment(tiled_mma)
         thr_mma = tiled_mma.get_slice(mma_tile_coord_v)
         a_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape)
         b_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape)
@@ -510,7 +535,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         if warp_idx == WarpRole.MMA:
             self.mma(
                 tiled_mma, tCrA, tCrB, tCtAcc_fake, tmem, ab_consumer, acc_pipeline,
-                unit_pipeline, unit_slots, is_leader_cta, ws, smem_scales,
+                unit_pipeline, unit_slots, is_leader_cta, smem_scales,
             )
 
         sC = smem.allocate_tensor(
@@ -581,9 +606,15 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         expert, unit_m, unit_n, begin, k_tiles = decode_unit(
             cfg, cutlass.max(cutlass.min(unit, cfg.num_units - 1), 0), ws
         )
+        extra = self.unit_extra_words(ws, expert, begin)
         if not valid:
             expert = Int32(-1)
-        return (expert, unit_m, unit_n, begin, k_tiles)
+        return (expert, unit_m, unit_n, begin, k_tiles, *extra)
+
+    def unit_extra_words(self, ws, expert, begin):
+        """Words a hook adds to each unit (after UNIT_WORDS), decoded by the scheduler warp
+        so no other role reads them from global memory: none for BF16."""
+        return ()
 
     @cute.jit
     def take_unit(self, unit_pipeline, unit_state, unit_slots):
@@ -591,6 +622,18 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         k tiles, state); expert < 0 means no more work."""
         words, unit_state = self.take_words(unit_pipeline, unit_state, unit_slots, UNIT_WORDS)
         return words[0], words[1], words[2], words[3], words[4], unit_state
+
+    @cute.jit
+    def take_mma_unit(self, unit_pipeline, unit_state, unit_slots):
+        """The MMA warp's view of the next unit: (expert, k tiles, tokens, state); `tokens`
+        is the expert's token count from the unit words where a hook publishes it
+        (block-scaled), else 0 (unused)."""
+        words, unit_state = self.take_words(unit_pipeline, unit_state, unit_slots,
+                                            self.unit_word_count)
+        tokens = Int32(0)
+        if cutlass.const_expr(self.unit_word_count > UNIT_WORDS):
+            tokens = words[UNIT_WORDS]
+        return words[0], words[4], tokens, unit_state
 
     @cute.jit
     def tma_loads(
@@ -614,15 +657,17 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             unit_pipeline, unit_state, unit_slots
         )
         while expert >= 0:
-            if expert != last_expert:
+            if expert != last_expert and k_tiles > 0:
                 # Device-written descriptors: acquire fence + prefetch per expert (the
-                # examples' prefetch_descriptor is for host descriptors).
+                # examples' prefetch_descriptor is for host descriptors). An empty unit
+                # loads nothing: its expert's descriptors are neither fenced nor prefetched
+                # (and last_expert stays the last expert whose were).
                 acquire_descriptor(ws, expert, DESC_A)
                 acquire_descriptor(ws, expert, DESC_B)
                 if cutlass.const_expr(scales is not None):
                     acquire_descriptor(ws, expert, cfg.desc_sfa)
                     acquire_descriptor(ws, expert, cfg.desc_sfb)
-            last_expert = expert
+                last_expert = expert
             desc_a = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_A))
             desc_b = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_B))
             k0 = token_origin(begin, cfg.a_ragged_block)
@@ -673,11 +718,12 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
     @cute.jit
     def mma(
         self, tiled_mma, tCrA, tCrB, tCtAcc_fake, tmem, ab_consumer, acc_pipeline,
-        unit_pipeline, unit_slots, is_leader_cta, ws, smem_scales,
+        unit_pipeline, unit_slots, is_leader_cta, smem_scales,
     ):
         """MMA warp: tcgen05.mma of each unit into the next TMEM accumulator stage (the
-        leader CTA of a pair issues it), one K block at a time (mma_block). (`ws`,
-        `smem_scales`: what the block-scaled kernel's hooks read.)"""
+        leader CTA of a pair issues it), one K block at a time (mma_block). Everything it
+        needs of a unit comes in the unit words (no global-memory read per unit).
+        (`smem_scales`: what the block-scaled kernel's hooks read.)"""
         tmem.wait_for_alloc()
         tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
         tCtAcc_base = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
@@ -686,13 +732,12 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             pipeline.PipelineUserType.Producer, self.acc_stage
         )
         unit_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, UNIT_STAGES)
-        expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
+        expert, k_tiles, tokens, unit_state = self.take_mma_unit(
             unit_pipeline, unit_state, unit_slots
         )
         while expert >= 0:
             if is_leader_cta:
-                tokens = self.unit_tokens(ws, expert)
-                tCtAcc = tCtAcc_base[(None, None, None, acc_state.index)]
+                tCtAcc = tCtAcc_base[(None, None, None, self.acc_buffer(acc_state, True))]
                 ab_consumer.reset()
                 peek = cutlass.Boolean(1)
                 if k_tiles > 0:
@@ -713,7 +758,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             if k_tiles > 0:
                 acc_state.advance()
 
-            expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
+            expert, k_tiles, tokens, unit_state = self.take_mma_unit(
                 unit_pipeline, unit_state, unit_slots
             )
         acc_pipeline.producer_tail(acc_state)
@@ -721,10 +766,6 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
     # MMA hooks (the block-scaled kernel's scale factors); BF16: one gemm per K block.
     def mma_block_state(self, tiled_mma, tmem_ptr, tCtAcc_base, smem_scales):
         """What mma_block needs besides the operands, built once per CTA (None for BF16)."""
-        return None
-
-    def unit_tokens(self, ws, expert):
-        """The unit's token count where mma_block needs it (None for BF16)."""
         return None
 
     @cute.jit
@@ -795,18 +836,19 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                 # Rows past the output: with a single MMA tile along M that tile mode has one
                 # element and the index would alias the first tile (stored, or added, twice).
                 store = store and mma_m < self.mma_tiles_m
-            if k_tiles > 0:
-                acc_pipeline.consumer_wait(acc_state)
+            # alpha_e does not depend on the accumulator: its loads go out before the wait.
             alpha = None
             if cutlass.const_expr(scales is not None):
                 alpha = self.unit_alpha(scales, expert)
+            if k_tiles > 0:
+                acc_pipeline.consumer_wait(acc_state)
             if store:
                 if cutlass.const_expr(cfg.output_mode == "dense"):
                     bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, expert)]
                     self.store_tile(
-                        tTR_tAcc_base, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc,
-                        tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, None,
-                        c_pipeline, epi_bar, warp_idx, n_done, alpha,
+                        tTR_tAcc_base, acc_pipeline, acc_state, k_tiles, tiled_copy_t2r,
+                        tTR_rAcc, tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC,
+                        None, c_pipeline, epi_bar, warp_idx, n_done, alpha,
                     )
                 else:
                     bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, 0)]
@@ -814,17 +856,24 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                         acquire_descriptor(ws, expert, DESC_C)
                     desc_c = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_C))
                     self.store_tile(
-                        tTR_tAcc_base, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc,
-                        tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, desc_c,
-                        c_pipeline, epi_bar, warp_idx, n_done, alpha,
+                        tTR_tAcc_base, acc_pipeline, acc_state, k_tiles, tiled_copy_t2r,
+                        tTR_rAcc, tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC,
+                        desc_c, c_pipeline, epi_bar, warp_idx, n_done, alpha,
                     )
                 n_done += 1
             # Every epilogue thread releases the stage (as torch_grouped_mm does); an empty
-            # unit has no accumulator stage to wait for or release.
+            # unit has no accumulator stage to wait for or release. With overlapping buffers
+            # store_tile released it early (after the sub-tiles the next buffer overlaps);
+            # a unit it did not store releases here.
             if k_tiles > 0:
-                # This thread's TMEM loads are complete before the MMA may overwrite the stage.
-                cute.arch.fence_view_async_tmem_load()
-                acc_pipeline.consumer_release(acc_state)
+                if cutlass.const_expr(self.overlapping_accum):
+                    if not store:
+                        acc_pipeline.consumer_release(acc_state)
+                else:
+                    # This thread's TMEM loads are complete before the MMA may overwrite
+                    # the stage.
+                    cute.arch.fence_view_async_tmem_load()
+                    acc_pipeline.consumer_release(acc_state)
                 acc_state.advance()
 
             expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
@@ -858,22 +907,39 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
 
     @cute.jit
     def store_tile(
-        self, tTR_tAcc_base, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc, tiled_copy_r2s,
-        tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, desc_c, c_pipeline, epi_bar, warp_idx, n_done,
-        alpha,
+        self, tTR_tAcc_base, acc_pipeline, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc,
+        tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, desc_c, c_pipeline,
+        epi_bar, warp_idx, n_done, alpha,
     ):
         """TMEM -> registers (times `alpha` unless None) -> output dtype -> shared memory ->
         TMA store, sub-tile by sub-tile (the store itself: store_subtile, issued by the first
-        epilogue warp)."""
-        tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_state.index)]
+        epilogue warp).
+
+        Overlapping accumulator buffers (block-scaled, tile_n = 256; see acc_fragment
+        there): buffer 0's sub-tiles go last to first, buffer 1's first to last, so the
+        columns the two buffers share come first; once those are in registers (after
+        acc_release_subtile) this thread releases the stage and the MMA warp may start the
+        next unit in the other buffer while the rest of this one is stored. The staging
+        buffer follows the issue order, so consecutive stores never share one."""
+        acc_buf = self.acc_buffer(acc_state, False)
+        tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_buf)]
         tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
         bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
         subtiles = cute.size(tTR_tAcc.shape, mode=[3])
         first = n_done * subtiles
         for sub in cutlass.range(subtiles):
+            real = sub
+            if cutlass.const_expr(self.overlapping_accum):
+                if acc_buf == 0:
+                    real = subtiles - 1 - sub
             acc_vec = cute.zeros_like(tiled_copy_r2s.retile(tTR_rAcc))
             if k_tiles > 0:
-                cute.copy(tiled_copy_t2r, tTR_tAcc[(None, None, None, sub)], tTR_rAcc)
+                cute.copy(tiled_copy_t2r, tTR_tAcc[(None, None, None, real)], tTR_rAcc)
+                if cutlass.const_expr(self.overlapping_accum):
+                    if sub == self.acc_release_subtile:
+                        # This thread's TMEM loads of the shared columns are complete.
+                        cute.arch.fence_view_async_tmem_load()
+                        acc_pipeline.consumer_release(acc_state)
                 acc_vec = tiled_copy_r2s.retile(tTR_rAcc).load()
                 if cutlass.const_expr(alpha is not None):
                     acc_vec = acc_vec * alpha
@@ -885,6 +951,6 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             epi_bar.arrive_and_wait()
             if warp_idx == WarpRole.EPILOGUE:
                 self.store_subtile(
-                    tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, sub)], desc_c, c_pipeline
+                    tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, real)], desc_c, c_pipeline
                 )
             epi_bar.arrive_and_wait()

@@ -23,22 +23,40 @@ hooks. Where it differs, after the CuTe DSL example dense_blockscaled_gemm_persi
                A step whose first token is past the expert's last is not issued, so the last
                block's padding scale columns never reach an MMA; counts are multiples of 32
                (MXFP8) and 64 (FP4) (gwgrad/offsets.py), so every issued step lies wholly
-               inside the expert.
-  TMEM         512 columns: accumulator stages (two of tile_n columns; one when tile_n = 256)
-               then the SFA and SFB columns of one K block.
-  epilogue     multiplies the FP32 accumulator by alpha_e before the cast or the reduce-add.
+               inside the expert. The token count comes in the unit words (a sixth word the
+               scheduler warp decodes): the MMA warp reads no global memory per unit.
+  TMEM         512 columns (TmemPlan): two accumulator buffers, then the SFA and SFB columns
+               of one K block. With tile_n = 256 two whole buffers leave no room for the
+               scale factors, so the buffers overlap on the scale factors' column count, as in
+               CUTLASS's dense_blockscaled_gemm_persistent.py and cuDNN frontend's wgrad
+               kernel: buffer 0 at column 0, buffer 1 at 256 - sf_columns, the scale factors
+               in the last sf_columns; one pipeline stage whose phase picks the buffer. The
+               epilogue reads buffer 0 from its last sub-tile down (the shared columns first)
+               and releases the stage once it holds the shared columns, so the next unit's
+               MMAs run while the rest of the tile is stored.
+  epilogue     multiplies the FP32 accumulator by alpha_e (loaded before the accumulator
+               wait) before the cast or the reduce-add.
 
-Compile-verified: tests/test_compile_sm100_blockscaled.py (every format x mode x tiling x
-cluster the predicate accepts, for sm_100a and sm_103a; the PTX holds tcgen05.mma of the
-format's block-scale kind and scale_vec, tcgen05.cp, cta_group::2 exactly for 256-row tiles,
-the reduce store exactly when accumulating, four descriptor slots per expert, five for
-discrete outputs); never run on an SM100 GPU (tests/test_sm100_blockscaled_gpu.py is written
-for it). The prep kernel's ranges, offsets check, scale-column prefix sum and capacity check
-are the SM90 FP8 kernel's, run on the H200 by tests/test_fp8_sm90_gpu.py.
+Compile-verified for sm_100a by tests/test_compile_sm100_blockscaled.py, in the `compile`
+marker tier (left out of a plain `python -m pytest`; `-m compile` runs it): on the default
+256x256 tile on (2, 1), every mode of the contract for MXFP8 (e4m3) and, K-major, for NVFP4
+and MXFP4, and one for e5m2; every tile x cluster the
+predicate accepts for MXFP8, NVFP4 and MXFP4 in one mode; 12 seeded points of the format x
+mode x tiling x cluster product per run (the whole product is not compiled in CI); NVFP4
+once for sm_103a. The PTX checks: the format's block-scaled tcgen05.mma kind and scale
+vector, tcgen05.cp, cta_group::2 exactly for 256-row tiles, the 512-column allocation, the
+reduce store exactly when accumulating, the CLC and unit-ring counts; on 256x256, 128x256 and
+128x128 for each format, the scale factors' TMEM columns and the accumulator buffers against
+TmemPlan and the stage's expect_tx bytes against the tile shapes. The fast tier compiles the
+default MXFP8 configuration once (tests/test_compile_smoke.py). Never run on an SM100 GPU
+(tests/test_sm100_blockscaled_gpu.py is written for it; docs/BLACKWELL.md gives the order).
+The prep kernel's ranges, offsets check, scale-column prefix sum and capacity check are the
+SM90 FP8 kernel's, run on the H200 by tests/test_fp8_sm90_gpu.py.
 """
 
 # No `from __future__ import annotations`: the DSL reads kernel parameter annotations.
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import cutlass
@@ -56,7 +74,7 @@ from .common import (
     scale_columns,
     tma_desc_ptr_for_copy,
 )
-from .sm100_bf16 import Sm100GroupedWgrad
+from .sm100_bf16 import UNIT_WORDS, Sm100GroupedWgrad
 from .tiling import sm100_blockscaled_problem
 
 TMEM_COLUMNS = 512  # all of an SM's tensor memory: accumulators + one K block's scale factors
@@ -64,6 +82,70 @@ FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 FP4_DTYPE = "float4_e2m1fn_x2"
 #: Tokens per K block (four MMA instructions) by operand family.
 TILE_K = {"fp8": 128, "fp4": 256}
+#: Scale dtype of each sf_vec_size: E4M3 with 16-token blocks (NVFP4), E8M0 with 32 (MX).
+SF_DTYPES = {16: "float8_e4m3fn", 32: "float8_e8m0fnu"}
+_SF_CUTLASS = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e8m0fnu": cutlass.Float8E8M0FNU}
+SF_ATOM_ROWS = 128  # rows of one tcgen05.cp (32x128b.warpx4): 4 columns of 4 scale bytes
+
+
+@dataclass(frozen=True)
+class TmemPlan:
+    """Where the accumulator buffers and one K block's scale factors sit in the 512 TMEM
+    columns (per CTA; a 2-CTA MMA's pair has the same plan in each CTA).
+
+    Two accumulator buffers of tile_n columns, then the SFA and SFB columns. Where that does
+    not fit (tile_n = 256) the two buffers overlap on `overlap` = sf_columns columns, as in
+    CUTLASS's dense_blockscaled_gemm_persistent.py, grouped_blockscaled_gemm.py and cuDNN
+    frontend's wgrad kernel: buffer 0 at column 0, buffer 1 at tile_n - sf_columns, the
+    scale factors in the last sf_columns; one pipeline stage, the buffer picked by its phase
+    (the MMA warp's producer phase ^ 1, the epilogue's consumer phase), and the epilogue
+    releases the stage as soon as it has read the shared columns (store_tile)."""
+
+    tile_n: int
+    sf_columns: int  # SFA + SFB columns of one K block
+    sfa_columns: int
+
+    @property
+    def overlapping(self) -> bool:
+        return 2 * self.tile_n + self.sf_columns > TMEM_COLUMNS
+
+    @property
+    def acc_stages(self) -> int:
+        """Accumulator pipeline stages (mbarrier pairs)."""
+        return 1 if self.overlapping else 2
+
+    @property
+    def buffer_stride(self) -> int:
+        """Columns from accumulator buffer 0 to buffer 1."""
+        return self.tile_n - self.sf_columns if self.overlapping else self.tile_n
+
+    @property
+    def overlap(self) -> int:
+        """Columns the two buffers share (the last of buffer 0, the first of buffer 1)."""
+        return self.tile_n - self.buffer_stride
+
+    @property
+    def sf_base(self) -> int:
+        """First scale-factor column: right after buffer 1."""
+        return self.buffer_stride + self.tile_n
+
+    def release_subtile(self, epi_tile_n: int) -> int:
+        """The epilogue sub-tile after whose TMEM load the stage is released: the sub-tiles
+        0..this, in the buffer's read order, cover the shared columns."""
+        return self.overlap // epi_tile_n
+
+
+def tmem_plan(mma_tiler_mn: Tuple[int, int], sf_vec: int, tile_k: int) -> TmemPlan:
+    """The TMEM plan of a block-scaled tile (pure arithmetic; setup_scales checks it against
+    the DSL's TMEM layouts). Per CTA: SFA covers its 128 rows, SFB the n-tile rounded up to
+    128 (SFB's 1-CTA MMA); each 128 rows take tile_k / sf_vec columns (4 scale bytes a
+    column per row group of a 32x128b.warpx4 copy)."""
+    cta_m = mma_tiler_mn[0] // (2 if mma_tiler_mn[0] == 256 else 1)
+    sfb_n = -(-mma_tiler_mn[1] // SF_ATOM_ROWS) * SF_ATOM_ROWS
+    per_rows = tile_k // sf_vec
+    sfa = cta_m // SF_ATOM_ROWS * per_rows
+    sfb = sfb_n // SF_ATOM_ROWS * per_rows
+    return TmemPlan(tile_n=mma_tiler_mn[1], sf_columns=sfa + sfb, sfa_columns=sfa)
 
 
 def operand_family(dtype: str) -> str:
@@ -73,14 +155,18 @@ def operand_family(dtype: str) -> str:
 class Sm100BlockScaledGroupedWgrad(ScaledEntryPoints, Sm100GroupedWgrad):
     """One compiled kernel per ProblemConfig (scale_recipe "blocked", sf_descriptors set)."""
 
+    #: The unit words carry the expert's token count (the MMA warp's step skip).
+    unit_word_count = UNIT_WORDS + 1
+
     def __init__(self, cfg: ProblemConfig, mma_tiler_mn: Tuple[int, int]):
         super().__init__(cfg, mma_tiler_mn)  # runs can_implement (this class's)
         self.sf_vec = cfg.sf_vec
-        # E4M3 scales with 16-token blocks (NVFP4), E8M0 with 32 (MXFP8, MXFP4).
-        self.sf_dtype = cutlass.Float8E4M3FN if cfg.sf_vec == 16 else cutlass.Float8E8M0FNU
-        # Two accumulator stages of tile_n columns, unless that leaves no TMEM for the scale
-        # factors (tile_n = 256: one stage, as the example does).
-        self.acc_stage = 1 if mma_tiler_mn[1] == 256 else 2
+        self.sf_dtype = _SF_CUTLASS[cfg.sf_dtype]
+        # Two accumulator buffers: separate stages where 2 x tile_n columns leave room for
+        # the scale factors, else two overlapping buffers on one stage (TmemPlan).
+        self.tmem_plan = tmem_plan(tuple(mma_tiler_mn), cfg.sf_vec, cfg.tile_k)
+        self.acc_stage = self.tmem_plan.acc_stages
+        self.overlapping_accum = self.tmem_plan.overlapping
 
     @staticmethod
     def can_implement(
@@ -103,6 +189,9 @@ class Sm100BlockScaledGroupedWgrad(ScaledEntryPoints, Sm100GroupedWgrad):
         if family == "fp4" and cfg.sf_vec not in (16, 32):
             return ("sf_vec_size", f"expected 16 (NVFP4) or 32 (MXFP4) for FP4 operands, got "
                                    f"{cfg.sf_vec}")
+        if cfg.sf_dtype != SF_DTYPES[cfg.sf_vec]:
+            return ("sf_dtype", f"expected {SF_DTYPES[cfg.sf_vec]} scales with sf_vec_size "
+                                f"{cfg.sf_vec}, got {cfg.sf_dtype or 'none'}")
         if family == "fp4":
             for name, major in (("a_tensor", cfg.a_major), ("b_tensor", cfg.b_major)):
                 if major != "k":
@@ -148,6 +237,51 @@ class Sm100BlockScaledGroupedWgrad(ScaledEntryPoints, Sm100GroupedWgrad):
         self.mma_tiler_sfb = (*sfb_mn, self.mma_tiler[2])
         # SFB's MMA is a 1-CTA one: every CTA of the cluster's M extent shares the n-tile.
         self.cluster_shape_sfb_vmnk = (1, self.cluster_shape_mn[0], self.cluster_shape_mn[1], 1)
+        # The plan's scale-factor columns are the DSL's TMEM layouts' (what mma_block_state
+        # builds), and the overlapping buffers' epilogue order works on whole columns.
+        plan = self.tmem_plan
+        sfa_cols = self._tmem_columns(blockscaled_utils.make_tmem_layout_sfa(
+            tiled_mma, self.mma_tiler, self.sf_vec,
+            cute.slice_(self.sfa_smem_layout_staged, (None, None, None, 0))))
+        sfb_cols = self._tmem_columns(blockscaled_utils.make_tmem_layout_sfb(
+            tiled_mma, self.mma_tiler, self.sf_vec,
+            cute.slice_(self.sfb_smem_layout_staged, (None, None, None, 0))))
+        if (sfa_cols, sfa_cols + sfb_cols) != (plan.sfa_columns, plan.sf_columns):
+            raise ValueError(f"internal: TMEM scale columns {sfa_cols} + {sfb_cols}, the plan "
+                             f"says {plan.sfa_columns} of {plan.sf_columns}")
+        if plan.sf_base + plan.sf_columns > TMEM_COLUMNS:
+            raise ValueError(f"internal: the TMEM plan {plan} needs more than 512 columns")
+        epi_n = cute.size(self.epi_tile[1])
+        self.acc_release_subtile = plan.release_subtile(epi_n)
+        if plan.overlapping and (self.epi_tile[0] if isinstance(self.epi_tile[0], int)
+                                 else cute.size(self.epi_tile[0])) != self.cta_tile_shape_mnk[0]:
+            raise ValueError("internal: overlapping accumulators need epilogue sub-tiles of "
+                             "whole TMEM columns")
+        if plan.overlapping and self.acc_release_subtile >= plan.tile_n // epi_n:
+            raise ValueError("internal: the shared accumulator columns span every sub-tile")
+
+    def _tmem_columns(self, sf_layout) -> int:
+        """TMEM columns of a scale-factor layout (find_tmem_tensor_col_offset's arithmetic:
+        the 32-bit cosize's column half)."""
+        return cute.cosize(cute.recast_layout(32, self.sf_dtype.width, sf_layout)) & 0xFFFF
+
+    def acc_fragment(self, tiled_mma):
+        """Two accumulator buffers; overlapping ones tile_n - sf_columns columns apart
+        (TmemPlan)."""
+        if not self.overlapping_accum:
+            return super().acc_fragment(tiled_mma)
+        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+        fake = tiled_mma.make_fragment_C(cute.append(acc_shape, 2))
+        column = fake.stride[0][1]
+        return cute.make_tensor(fake.iterator, cute.make_layout(
+            fake.shape, stride=(*fake.stride[:3], self.tmem_plan.buffer_stride * column)))
+
+    def acc_buffer(self, acc_state, producer: bool):
+        """Overlapping buffers share one pipeline stage: its phase picks the buffer (the
+        producer state starts at phase 1, the consumer's at 0: both begin with buffer 0)."""
+        if not self.overlapping_accum:
+            return acc_state.index
+        return acc_state.phase ^ 1 if producer else acc_state.phase
 
     def tmem_columns(self, tCtAcc_fake) -> int:
         return TMEM_COLUMNS
@@ -389,7 +523,7 @@ class Sm100BlockScaledGroupedWgrad(ScaledEntryPoints, Sm100GroupedWgrad):
         """The scale factors' TMEM tensors (after the accumulator columns) and their
         tcgen05.cp copies from the shared-memory stages."""
         sSFA, sSFB = smem_scales
-        acc_cols = tcgen05.find_tmem_tensor_col_offset(tCtAcc_base)
+        acc_cols = self.tmem_plan.sf_base  # after both accumulator buffers (TmemPlan)
         tCtSFA = cute.make_tensor(
             cute.recast_ptr(tmem_ptr + acc_cols, dtype=self.sf_dtype),
             blockscaled_utils.make_tmem_layout_sfa(
@@ -411,8 +545,9 @@ class Sm100BlockScaledGroupedWgrad(ScaledEntryPoints, Sm100GroupedWgrad):
                 tCtSFB_s2t)
 
     @cute.jit
-    def unit_tokens(self, ws, expert):
-        return ws.ranges[2 * expert + 1] - ws.ranges[2 * expert]
+    def unit_extra_words(self, ws, expert, begin):
+        """The expert's token count, for the MMA warp's step skip (mma_block)."""
+        return (ws.ranges[2 * expert + 1] - begin,)
 
     @cute.jit
     def mma_block(self, tiled_mma, tCtAcc, tCrA, tCrB, stage, k_tile, block_state, tokens):

@@ -154,6 +154,7 @@ def workspace_bytes_bound(num_experts: int, output_mode: str) -> int:
     head = -(-head // _DESC_BYTES) * _DESC_BYTES
     return head + num_experts * _MAX_DESC_SLOTS[output_mode] * _DESC_BYTES
 
+
 #: Base-address alignment each operand needs (bytes), the same as the contract's first-call
 #: check (gwgrad/validation.py): 16 for what the kernels read or write through TMA or 16-byte
 #: vectors (A, B, the output, the pointer array, the scale tensors), 4 for int32 / float32

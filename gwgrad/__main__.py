@@ -19,7 +19,8 @@ import sys
 from importlib import metadata
 from typing import List, Optional
 
-from . import __version__, cuda
+from . import cuda
+from ._version import __version__
 
 
 def _version(dist: str) -> str:

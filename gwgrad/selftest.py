@@ -49,7 +49,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import __version__, cuda
+from . import cuda
+from ._version import __version__
 from . import formats as F
 from . import scales as S
 from .dtypes import DType
@@ -470,7 +471,8 @@ def _decode_output(raw: np.ndarray, out: str) -> np.ndarray:
 
 def call_gemm(arrays, p: GemmProblem, g: Gemm) -> np.ndarray:
     """The contract's wrapper on ``arrays``' copies of the problem; the output, float64."""
-    import gwgrad
+    from .api import grouped_gemm_wgrad
+    from .status import check_errors
 
     kw = {name: arrays.put(t) for name, t in p.tensors.items()}
     out_dtype = _DTYPES[g.out]
@@ -486,18 +488,18 @@ def call_gemm(arrays, p: GemmProblem, g: Gemm) -> np.ndarray:
 
     if g.mode == "dense":
         out = output()
-        gwgrad.grouped_gemm_wgrad(wgrad_tensor=out, accumulate_on_output=g.accumulate, **kw,
+        grouped_gemm_wgrad(wgrad_tensor=out, accumulate_on_output=g.accumulate, **kw,
                                   **p.kwargs)
         arrays.sync()
-        gwgrad.check_errors()
+        check_errors()
         return _decode_output(arrays.read(out), g.out)
     outs = [output(e) for e in range(shape[0])]
     ptrs = arrays.put(HostTensor.dense(np.array([arrays.address(o) for o in outs], np.int64),
                                        DType.INT64))
-    gwgrad.grouped_gemm_wgrad(output_mode="discrete", wgrad_ptrs=ptrs, wgrad_dtype=g.out,
+    grouped_gemm_wgrad(output_mode="discrete", wgrad_ptrs=ptrs, wgrad_dtype=g.out,
                               accumulate_on_output=g.accumulate, **kw, **p.kwargs)
     arrays.sync()
-    gwgrad.check_errors()
+    check_errors()
     return np.stack([_decode_output(arrays.read(o), g.out) for o in outs])
 
 
@@ -578,7 +580,8 @@ def build_quant(q: Quant, rng: np.random.Generator) -> QuantProblem:
 def call_quant(arrays, p: QuantProblem, q: Quant):
     """gwgrad.quantize on ``arrays``' copies: (data bytes, scales (uint8 codes or float32),
     global scale or None), into outputs poisoned with 0xFF / NaN."""
-    import gwgrad
+    from .quantizers import quantize
+    from .status import check_errors
 
     lay = p.layout
     outs = {"data": arrays.put(HostTensor.dense(_poison(lay.data_shape, lay.data_dtype),
@@ -588,9 +591,9 @@ def call_quant(arrays, p: QuantProblem, q: Quant):
     if lay.global_shape is not None:
         outs["global_scale"] = arrays.put(HostTensor.dense(
             _poison(lay.global_shape, DType.FLOAT32), DType.FLOAT32))
-    gwgrad.quantize(arrays.put(p.x), arrays.put(p.offsets), q.fmt, elem=q.elem, **outs)
+    quantize(arrays.put(p.x), arrays.put(p.offsets), q.fmt, elem=q.elem, **outs)
     arrays.sync()
-    gwgrad.check_errors()
+    check_errors()
     gs = arrays.read(outs["global_scale"]) if "global_scale" in outs else None
     return arrays.read(outs["data"]).view(np.uint8), arrays.read(outs["scales"]), gs
 

@@ -231,10 +231,8 @@ def _sample_arguments(spec: StaticSpec) -> list:
     import cutlass
     import cutlass.cute as cute
 
-    dtypes = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
-              "float32": cutlass.Float32, "int32": cutlass.Int32, "int64": cutlass.Int64,
-              "uint8": cutlass.Uint8, "float8_e4m3fn": cutlass.Float8E4M3FN,
-              "float8_e5m2": cutlass.Float8E5M2, "float4_e2m1fn_x2": cutlass.Float4E2M1FN}
+    from ..kernels.types import cutlass_type
+
     sf = spec.sf_dtype.value if spec.sf_dtype is not None else "uint8"
     named = {"a": spec.a_dtype.value, "b": spec.b_dtype.value,
              "out": spec.wgrad_dtype.value if spec.output_mode == "dense" else "int64",
@@ -243,7 +241,7 @@ def _sample_arguments(spec: StaticSpec) -> list:
     for name, kind, *rest in entry_signature(spec):
         if kind == "ptr":
             dtype, align = rest
-            samples.append(cute.runtime.make_ptr(dtypes[named.get(dtype, dtype)], 0,
+            samples.append(cute.runtime.make_ptr(cutlass_type(named.get(dtype, dtype)), 0,
                                                  cute.AddressSpace.gmem, assumed_align=align))
         elif kind == "i32":
             samples.append(cutlass.Int32(1))

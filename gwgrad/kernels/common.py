@@ -110,6 +110,7 @@ from ..offsets import (COUNT_NOT_MULTIPLE, LAST_NOT_TOKENS_SUM, NEGATIVE_COUNT,
                        OUTPUT_PTR_INVALID, SCALES_TOO_SMALL)
 from ..scales import column_rule
 from .tiling import SCHEDULE_BALANCED, SCHEDULE_HYBRID
+from .types import CUTLASS_TYPES
 
 DESC_BYTES = 128
 COUNTER_BYTES = 128  # the block holding the unit counter, the verdict and the prep hand-off
@@ -290,25 +291,17 @@ class ProblemConfig:
 
     @property
     def cutlass_ab_dtype(self):
-        return _CUTLASS_DTYPES[self.ab_dtype]
+        return CUTLASS_TYPES[self.ab_dtype]
 
     @property
     def cutlass_b_dtype(self):
-        return _CUTLASS_DTYPES[self.b_dtype or self.ab_dtype]
+        return CUTLASS_TYPES[self.b_dtype or self.ab_dtype]
 
     @property
     def cutlass_c_dtype(self):
-        return _CUTLASS_DTYPES[self.c_dtype]
+        return CUTLASS_TYPES[self.c_dtype]
 
 
-_CUTLASS_DTYPES = {
-    "bfloat16": cutlass.BFloat16,
-    "float16": cutlass.Float16,
-    "float32": cutlass.Float32,
-    "float8_e4m3fn": cutlass.Float8E4M3FN,
-    "float8_e5m2": cutlass.Float8E5M2,
-    "float4_e2m1fn_x2": cutlass.Float4E2M1FN,  # packed two per byte: element-indexed views
-}
 
 DESC_A, DESC_B, DESC_C = 0, 1, 2
 

@@ -76,6 +76,7 @@ from .common import (
 )
 from .sm100_bf16 import UNIT_WORDS, Sm100GroupedWgrad
 from .tiling import sm100_blockscaled_problem
+from .types import cutlass_type
 
 TMEM_COLUMNS = 512  # all of an SM's tensor memory: accumulators + one K block's scale factors
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
@@ -84,7 +85,6 @@ FP4_DTYPE = "float4_e2m1fn_x2"
 TILE_K = {"fp8": 128, "fp4": 256}
 #: Scale dtype of each sf_vec_size: E4M3 with 16-token blocks (NVFP4), E8M0 with 32 (MX).
 SF_DTYPES = {16: "float8_e4m3fn", 32: "float8_e8m0fnu"}
-_SF_CUTLASS = {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e8m0fnu": cutlass.Float8E8M0FNU}
 SF_ATOM_ROWS = 128  # rows of one tcgen05.cp (32x128b.warpx4): 4 columns of 4 scale bytes
 
 
@@ -161,7 +161,7 @@ class Sm100BlockScaledGroupedWgrad(ScaledEntryPoints, Sm100GroupedWgrad):
     def __init__(self, cfg: ProblemConfig, mma_tiler_mn: Tuple[int, int]):
         super().__init__(cfg, mma_tiler_mn)  # runs can_implement (this class's)
         self.sf_vec = cfg.sf_vec
-        self.sf_dtype = _SF_CUTLASS[cfg.sf_dtype]
+        self.sf_dtype = cutlass_type(cfg.sf_dtype)
         # Two accumulator buffers: separate stages where 2 x tile_n columns leave room for
         # the scale factors, else two overlapping buffers on one stage (TmemPlan).
         self.tmem_plan = tmem_plan(tuple(mma_tiler_mn), cfg.sf_vec, cfg.tile_k)

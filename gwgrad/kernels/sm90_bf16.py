@@ -93,18 +93,6 @@ SMEM_RESERVED = 2048  # mbarriers, the unit ring, alignment
 MAX_AB_STAGE = 8
 
 
-def stage_bytes(cfg: ProblemConfig) -> int:
-    """Bytes one A/B pipeline stage of a CTA holds (the scaled kernel's scales included);
-    with a cluster, a CTA's tile is the unit tile over the cluster shape, and its stage
-    receives the whole CTA tile (its own multicast slice and its peer's)."""
-    ab = cfg.tile_k * (cfg.tile_m // cfg.cluster_m * cfg.cutlass_ab_dtype.width
-                       + cfg.tile_n // cfg.cluster_n * cfg.cutlass_b_dtype.width) // 8
-    if cfg.scale_recipe:
-        from .sm90_fp8 import scale_stage_bytes
-
-        ab += scale_stage_bytes(cfg)
-    return ab
-
 WARP_SIZE = 32
 WARP_GROUP_THREADS = 128
 
@@ -165,7 +153,22 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     # what a config can run (pure host code, no tracing)
     # ------------------------------------------------------------------------------------
     @staticmethod
-    def epilogue_plan(cfg: ProblemConfig) -> Tuple[Tuple[int, int], int, int]:
+    def scale_stage_bytes(cfg: ProblemConfig) -> int:
+        """Bytes of scales one pipeline stage holds: none here; the scaled kernel's hook
+        (kernels/sm90_fp8.py)."""
+        return 0
+
+    @classmethod
+    def stage_bytes(cls, cfg: ProblemConfig) -> int:
+        """Bytes one A/B pipeline stage of a CTA holds (the scaled kernel's scales included);
+        with a cluster, a CTA's tile is the unit tile over the cluster shape, and its stage
+        receives the whole CTA tile (its own multicast slice and its peer's)."""
+        ab = cfg.tile_k * (cfg.tile_m // cfg.cluster_m * cfg.cutlass_ab_dtype.width
+                           + cfg.tile_n // cfg.cluster_n * cfg.cutlass_b_dtype.width) // 8
+        return ab + cls.scale_stage_bytes(cfg)
+
+    @classmethod
+    def epilogue_plan(cls, cfg: ProblemConfig) -> Tuple[Tuple[int, int], int, int]:
         """(epi_tile, epi_stage, ab_stage) of a config.
 
         Epilogue sub-tile: 128 rows cooperative, 64 pingpong or with a set per consumer
@@ -182,14 +185,14 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         epi_stage = 4 if c_width == 16 else 2
         if cfg.schedule != "pingpong" and cfg.epi_buffer_sets == 2:
             epi_stage = 2
-        ab_bytes = stage_bytes(cfg)
+        ab_bytes = cls.stage_bytes(cfg)
         c_bytes = epi_m * epi_n * c_width // 8
         epi_bytes = cfg.epi_buffer_sets * epi_stage * c_bytes
         ab_stage = (SMEM_CAPACITY - SMEM_RESERVED - epi_bytes) // ab_bytes
         return (epi_m, epi_n), epi_stage, min(ab_stage, MAX_AB_STAGE)
 
-    @staticmethod
-    def can_implement(cfg: ProblemConfig) -> Optional[Tuple[str, str]]:
+    @classmethod
+    def can_implement(cls, cfg: ProblemConfig) -> Optional[Tuple[str, str]]:
         """(argument, detail) of the first reason this kernel cannot run `cfg`, or None."""
         pingpong = cfg.schedule == "pingpong"
         cluster = (cfg.cluster_m, cfg.cluster_n)
@@ -217,7 +220,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                                            bool(cfg.scale_recipe)))
         if problem is not None:
             return problem
-        epi_tile, _, ab_stage = Sm90GroupedWgrad.epilogue_plan(cfg)
+        epi_tile, _, ab_stage = cls.epilogue_plan(cfg)
         if cfg.epi_tile_n and (cfg.epi_tile_n % 32 or cta_n % epi_tile[1]):
             return ("epi_tile_n",
                     f"expected a multiple of 32 that divides the tile's {cta_n} columns "
@@ -254,7 +257,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         self.epi_smem_layout_staged = sm90_utils.make_smem_layout_epi(
             self.c_dtype, self.c_layout, self.epi_tile, self.epi_stage * cfg.epi_buffer_sets
         )
-        self.tma_bytes = stage_bytes(cfg)  # one stage's TMA transaction (scales included)
+        self.tma_bytes = self.stage_bytes(cfg)  # one stage's TMA transaction (scales included)
 
     def make_tiled_mma(self, groups=None):
         """The WGMMA tiling: one warp group per 64 rows (two side by side, cooperative).

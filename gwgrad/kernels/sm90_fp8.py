@@ -92,8 +92,10 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
         super().__init__(cfg)
         self.recipe = cfg.scale_recipe
 
-    @staticmethod
-    def can_implement(cfg: ProblemConfig):
+    scale_stage_bytes = staticmethod(scale_stage_bytes)
+
+    @classmethod
+    def can_implement(cls, cfg: ProblemConfig):
         if cfg.scale_recipe not in (BLOCKED, PER_EXPERT_CHANNEL, BLOCK_1X128):
             return ("scale_recipe", f"expected a scale recipe for FP8 inputs, got "
                                     f"{cfg.scale_recipe!r}")
@@ -115,7 +117,7 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
             return ("mma_tiler_mn", f"expected one of {sorted(SM90_FP8_TILES)} for FP8 on SM90 "
                                     f"(two FP32 accumulators per thread), got "
                                     f"({cfg.tile_m}, {cfg.tile_n})")
-        return Sm90GroupedWgrad.can_implement(cfg)
+        return super().can_implement(cfg)
 
     # ------------------------------------------------------------------------------------
     # host side: the scale sources (traced in launch())

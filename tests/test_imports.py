@@ -1,0 +1,124 @@
+"""The package's import graph, read from the source (no import runs): every ``import`` and
+``from ... import`` of a gwgrad module, at module level or inside a function, is an edge.
+There is no cycle (a base kernel asks its subclasses through hooks, not imports), no module
+imports the package face (``gwgrad/__init__.py``, which imports everything), and one table
+maps gwgrad's dtypes to the CuTe DSL's types."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Set
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "gwgrad"
+
+
+def modules() -> Dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = ("gwgrad",) + path.relative_to(PACKAGE).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def import_graph(found: Dict[str, Path]) -> Dict[str, Set[str]]:
+    """module -> the gwgrad modules it imports (a name imported from a package counts as
+    that submodule when one exists, else as the package)."""
+    edges: Dict[str, Set[str]] = {name: set() for name in found}
+    for name, path in found.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: List[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = ".".join(package[:len(package) - node.level + 1]
+                                    + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in found else base
+                           for alias in node.names]
+            edges[name].update(t for t in targets if t in found and t != name)
+    return edges
+
+
+def cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    found: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph(modules())) == []
+
+
+def test_the_walk_sees_a_cycle_and_function_level_imports():
+    edges = {"gwgrad.a": {"gwgrad.b"}, "gwgrad.b": {"gwgrad.c"}, "gwgrad.c": {"gwgrad.a"},
+             "gwgrad.d": {"gwgrad.a"}}
+    assert cycles(edges) == [["gwgrad.a", "gwgrad.b", "gwgrad.c"]]
+    graph = import_graph(modules())
+    # A function-level import is an edge: the JAX adapter's lowering imports the plan lazily
+    # in places; the SM90 scaled kernel subclasses the BF16 one.
+    assert "gwgrad.kernels.sm90_bf16" in graph["gwgrad.kernels.sm90_fp8"]
+    assert "gwgrad.kernels.sm90_fp8" not in graph["gwgrad.kernels.sm90_bf16"]
+
+
+def test_no_module_imports_the_package_face():
+    graph = import_graph(modules())
+    assert sorted(name for name, targets in graph.items()
+                  if "gwgrad" in targets and name != "gwgrad") == []
+
+
+def _cutlass_type_tables(path: Path) -> int:
+    """Dict literals in ``path`` whose values are two or more ``cutlass.<Type>`` attributes."""
+    count = 0
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Dict):
+            values = [v for v in node.values if isinstance(v, ast.Attribute)
+                      and isinstance(v.value, ast.Name) and v.value.id == "cutlass"]
+            count += len(values) >= 2
+    return count
+
+
+def test_one_dtype_table_for_the_dsl():
+    tables = {str(path.relative_to(PACKAGE)): n for path in PACKAGE.rglob("*.py")
+              if (n := _cutlass_type_tables(path))}
+    assert tables == {"kernels/types.py": 1}
+    pytest.importorskip("cutlass")
+    from gwgrad.dtypes import DType
+    from gwgrad.kernels.types import CUTLASS_TYPES
+
+    # Every dtype a kernel or a compile sample takes (float64 is the CPU reference's alone).
+    assert set(CUTLASS_TYPES) == {d.value for d in DType} - {"float64"}

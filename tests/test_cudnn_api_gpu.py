@@ -1,7 +1,7 @@
 """cuDNN frontend 1.32's surface on a GPU: a caller-owned ``descriptor_workspace`` (sized by
 ``get_grouped_gemm_wgrad_workspace_size_sm100``, zero-filled or not, reused) against a float64
-reference; the exception a format this GPU cannot run gets; ``grouped_gemm_wgrad_jax_sm100`` under jit against a float64 reference.
-Runs on the GPU host; skipped cleanly elsewhere."""
+reference; the exception a format this GPU cannot run gets; ``grouped_gemm_wgrad_jax_sm100``
+under jit against a float64 reference. Runs on the GPU host; skipped cleanly elsewhere."""
 
 from __future__ import annotations
 

@@ -52,6 +52,26 @@ def test_fp8_tiles_compile(recipe, tile):
         assert tma_loads(gemm) == 5
 
 
+def multicast_loads(gemm: str) -> int:
+    return len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\S*multicast",
+                          gemm))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("cluster", [(1, 2), (2, 1)], ids=["1x2", "2x1"])
+def test_pairs_multicast_the_shared_operand_only(recipe, cluster):
+    """A CTA pair multicasts the operand its CTAs share (A on 1x2, B on 2x1); each CTA loads
+    the other operand and its own tile's scales without multicast."""
+    tile = (64, 128) if recipe == "blocked" else (128, 192)
+    ptx = compile_ptx(fp8_spec("sm_90a", recipe, tile=tile, cluster=cluster))
+    _, gemm = kernel_bodies(ptx)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", gemm)
+    assert "barrier.cluster.arrive" in gemm
+    assert multicast_loads(gemm) == 1
+    assert tma_loads(gemm) == (1 if recipe == "per_expert_channel" else 3)
+
+
 @pytest.mark.compile
 def test_mixed_e4m3_e5m2():
     ptx = compile_ptx(fp8_spec("sm_90a", "per_expert_channel", a="e4m3", b="e5m2"))

@@ -126,7 +126,7 @@ def guards_intact(buf):
 
 def run_case(seed, recipe, counts, *, hidden=256, inter=384, out_dtype=torch.bfloat16,
              mode="dense", accumulate=False, order="tensor2d", a_fmt="e4m3", b_fmt="e4m3",
-             global_scales=False, tiling=None, extra=0, tol=None):
+             global_scales=False, tiling=None, cluster=None, extra=0, tol=None):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rng = np.random.default_rng(seed)
     e = len(counts)
@@ -145,7 +145,7 @@ def run_case(seed, recipe, counts, *, hidden=256, inter=384, out_dtype=torch.bfl
                   global_scale_a=gsa, global_scale_b=gsb, accumulate_on_output=accumulate,
                   input_order=order, sf_vec_size={"blocked": 32, "block_1x128": 128}.get(recipe, 16),
                   scale_recipe=None if recipe == "blocked" else recipe, mma_tiler_mn=tiling,
-                  validate_offsets=True)
+                  cluster_shape_mn=cluster, validate_offsets=True)
     if mode == "dense":
         buf, out = guarded((e, hidden, inter), out_dtype, init)
         gwgrad.grouped_gemm_wgrad(output_mode="dense", wgrad_tensor=out, **kwargs)
@@ -203,6 +203,29 @@ def test_recipe_tilings(seed, recipe, tiling):
     # straddling 128-row blocks (192-wide tiles).
     run_case(seed, recipe, COUNTS[recipe], hidden=208, inter=400, tiling=tiling,
              global_scales=True, extra=1)
+
+
+#: Each recipe's default tile, for the CTA pairs.
+PAIR_TILES = {"blocked": (64, 128), "block_1x128": (128, 192), "per_expert_channel": (128, 192)}
+
+
+@pytest.mark.parametrize("cluster", [(1, 2), (2, 1)], ids=["1x2", "2x1"])
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("case", range(len(MODES)))
+def test_recipe_modes_on_pairs(seed, recipe, case, cluster):
+    """Every mode on a CTA pair (the shared operand multicast, each CTA's own scales)."""
+    run_case(seed, recipe, COUNTS[recipe], tiling=PAIR_TILES[recipe], cluster=cluster,
+             **MODES[case])
+
+
+@pytest.mark.parametrize("cluster", [(1, 2), (2, 1)], ids=["1x2", "2x1"])
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("tiling", [(64, 128), (128, 192)])
+def test_recipe_tilings_on_pairs(seed, recipe, tiling, cluster):
+    # Partial tiles, and a pair whose second CTA lies past the output's edge (it computes and
+    # stores nothing).
+    run_case(seed, recipe, COUNTS[recipe], hidden=208, inter=400, tiling=tiling,
+             cluster=cluster, global_scales=True, extra=1)
 
 
 @pytest.mark.parametrize("recipe", ["per_expert_channel", "block_1x128"])

@@ -66,8 +66,11 @@ class Fp8Sm90Backend(_cutedsl.CuteDslBackend):
     def config(self, spec: StaticSpec):
         from ..kernels.sm90_fp8 import FP8_TILE_K
 
+        # A unit is the cluster's tile, as in the BF16 kernel.
+        (m, n), (cm, cn) = spec.mma_tiler_mn, spec.cluster_shape_mn
         schedule = SM90_FP8_TILES[tuple(spec.mma_tiler_mn)]
-        return dataclasses.replace(_cutedsl.problem_config(spec, schedule), tile_k=FP8_TILE_K)
+        return dataclasses.replace(_cutedsl.problem_config(spec, schedule, m * cm, n * cn),
+                                   tile_k=FP8_TILE_K)
 
     def make_kernel(self, spec: StaticSpec):
         from ..kernels.sm90_fp8 import Sm90ScaledGroupedWgrad

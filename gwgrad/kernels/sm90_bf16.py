@@ -82,7 +82,8 @@ from .common import (
     unit_chunk,
     unit_tile_coords,
 )
-from .tiling import (SM90_CLUSTERS, epi_buffer_sets_problem, split_tokens_problem,
+from .tiling import (SM90_CLUSTERS, SM90_FP8_CLUSTERS, epi_buffer_sets_problem,
+                     split_tokens_problem,
                      unit_schedule_problem, SCHEDULE_BALANCED, SCHEDULE_HYBRID, SCHEDULE_STATIC,
                      BALANCED_SPREAD)
 
@@ -196,11 +197,11 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         """(argument, detail) of the first reason this kernel cannot run `cfg`, or None."""
         pingpong = cfg.schedule == "pingpong"
         cluster = (cfg.cluster_m, cfg.cluster_n)
-        if cluster not in SM90_CLUSTERS or (cfg.scale_recipe and cluster != (1, 1)):
+        clusters = SM90_FP8_CLUSTERS if cfg.scale_recipe else SM90_CLUSTERS
+        if cluster not in clusters:
             return ("cluster_shape_mn",
-                    f"the SM90 kernel runs {', '.join(map(str, SM90_CLUSTERS))} clusters (the "
-                    f"scaled one "
-                    f"(1, 1)), got {cluster}")
+                    f"the SM90 kernel runs {', '.join(map(str, clusters))} clusters, got "
+                    f"{cluster}")
         cta_m, cta_n = cfg.tile_m // cfg.cluster_m, cfg.tile_n // cfg.cluster_n
         # Each consumer warp group's accumulator must fit its registers.
         acc_per_thread = cta_m * cta_n // (128 if pingpong else 256)
@@ -667,7 +668,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             cta_m, cta_n = self.cta_tile(coord, tile_m, tile_n)
             unit_sf = None
             if cutlass.const_expr(scales is not None):
-                unit_sf = self.unit_scale_origin(ws, expert, tile_m, tile_n)
+                unit_sf = self.unit_scale_origin(ws, expert, cta_m, cta_n)
             for kt in cutlass.range(k_tiles, unroll=1):
                 ab_pipeline.producer_acquire(ab_state)
                 bar = ab_pipeline.producer_get_barrier(ab_state)

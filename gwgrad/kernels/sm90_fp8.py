@@ -26,9 +26,14 @@ accumulator, then promoted into the main one on CUDA cores:
 Global scales (per expert) multiply the accumulator before the epilogue. An empty expert
 stores zeros (nothing when accumulating), whatever its scales hold.
 
+Clusters: the BF16 kernel's CTA pairs, (1, 2) multicasting A and (2, 1) B; a CTA's tile is the
+unit tile over the cluster shape, and each CTA loads its own tile's scales (not multicast) on
+its own stage barrier, whose transaction bytes count them (scale_stage_bytes).
+
 Verified on an H200: tests/test_fp8_sm90_gpu.py (every recipe and mode, pingpong and
-cooperative tiles, mixed E4M3 / E5M2, special E8M0 codes; too-small scales and invalid
-offsets write nothing). PTX checks (sm_90a, no GPU): tests/test_compile_fp8_sm90.py.
+cooperative tiles, 1x1 and both pairs (test_recipe_modes_on_pairs, test_recipe_tilings_on_pairs),
+mixed E4M3 / E5M2, special E8M0 codes; too-small scales and invalid offsets write nothing).
+PTX checks (sm_90a, no GPU): tests/test_compile_fp8_sm90.py.
 """
 
 import cutlass
@@ -51,12 +56,19 @@ def sf_atoms(rows: int) -> int:
     return max(ceil_div((k * rows) % ATOM_ROWS + rows, ATOM_ROWS) for k in range(ATOM_ROWS))
 
 
+def cta_shape(cfg: ProblemConfig):
+    """A CTA's (rows, columns): the unit tile over the cluster shape."""
+    return cfg.tile_m // cfg.cluster_m, cfg.tile_n // cfg.cluster_n
+
+
 def scale_stage_bytes(cfg: ProblemConfig) -> int:
-    """Bytes of scales one pipeline stage holds."""
+    """Bytes of scales one pipeline stage of a CTA holds (each CTA of a cluster loads its
+    own tile's scales; only the A/B operands are multicast)."""
+    rows, cols = cta_shape(cfg)
     if cfg.scale_recipe == BLOCK_1X128:
-        return 4 * (cfg.tile_m + cfg.tile_n)
+        return 4 * (rows + cols)
     if cfg.scale_recipe == BLOCKED:
-        return ATOM_BYTES * (sf_atoms(cfg.tile_m) + sf_atoms(cfg.tile_n))
+        return ATOM_BYTES * (sf_atoms(rows) + sf_atoms(cols))
     return 0
 
 
@@ -112,11 +124,11 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
             return ("sf_vec_size", f"expected 32 (MXFP8) on SM90, got {cfg.sf_vec}")
         if cfg.tile_k != FP8_TILE_K:
             return ("mma_tiler_mn", f"FP8 K blocks are {FP8_TILE_K} tokens, got {cfg.tile_k}")
-        schedule = SM90_FP8_TILES.get((cfg.tile_m, cfg.tile_n))
+        schedule = SM90_FP8_TILES.get(cta_shape(cfg))
         if schedule is None or schedule != cfg.schedule:
             return ("mma_tiler_mn", f"expected one of {sorted(SM90_FP8_TILES)} for FP8 on SM90 "
                                     f"(two FP32 accumulators per thread), got "
-                                    f"({cfg.tile_m}, {cfg.tile_n})")
+                                    f"{cta_shape(cfg)}")
         return super().can_implement(cfg)
 
     # ------------------------------------------------------------------------------------
@@ -145,7 +157,7 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
                                     cute.make_layout((m, capacity), stride=(1, m)))
             mSFB = cute.make_tensor(cute.recast_ptr(sfb_ptr, dtype=Float32),
                                     cute.make_layout((n, capacity), stride=(1, n)))
-            box_a, box_b = cfg.tile_m, cfg.tile_n
+            box_a, box_b = self.cta_m, self.cta_n
         else:
             # per_expert_channel: the consumers read the scales directly; these atoms are
             # built (over the (E, rows) tensors) only to keep one kernel signature.
@@ -153,7 +165,7 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
                                     cute.make_layout((m, e), stride=(1, m)))
             mSFB = cute.make_tensor(cute.recast_ptr(sfb_ptr, dtype=Float32),
                                     cute.make_layout((n, e), stride=(1, n)))
-            box_a, box_b = cfg.tile_m, cfg.tile_n
+            box_a, box_b = self.cta_m, self.cta_n
         atom_sfa, tma_sfa = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mSFA, cute.make_layout((box_a, 1)), (box_a, 1)
         )
@@ -181,10 +193,9 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
         return ScaledStorage
 
     def _scale_words(self):
-        cfg = self.cfg
         if self.recipe == BLOCKED:
-            return (ATOM_ROWS * sf_atoms(cfg.tile_m), ATOM_ROWS * sf_atoms(cfg.tile_n), Int32)
-        return cfg.tile_m, cfg.tile_n, Float32
+            return (ATOM_ROWS * sf_atoms(self.cta_m), ATOM_ROWS * sf_atoms(self.cta_n), Int32)
+        return self.cta_m, self.cta_n, Float32
 
     # ------------------------------------------------------------------------------------
     # GEMM kernel
@@ -224,9 +235,16 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
                 (atom_sfa, mSFA_coord, atom_sfb, mSFB_coord, sfa, sfb, gsa, gsb),
             )
 
-    def gemm_storage(self, storage):
-        """The BF16 kernel's part of the shared storage."""
+    def _base_storage(self, storage):
+        """The BF16 kernel's struct (the scale buffers nest it; clusters nest it further)."""
         return storage if self.recipe == PER_EXPERT_CHANNEL else storage.gemm
+
+    def gemm_storage(self, storage):
+        """The BF16 kernel's pipeline and tile fields of the shared storage."""
+        return Sm90GroupedWgrad.gemm_storage(self, self._base_storage(storage))
+
+    def mailbox(self, storage):
+        return Sm90GroupedWgrad.mailbox(self, self._base_storage(storage))
 
     def scale_buffers(self, storage):
         if cutlass.const_expr(self.recipe == PER_EXPERT_CHANNEL):
@@ -255,8 +273,8 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
             first = base // 4
             row_blocks_a = ceil_div(cfg.hidden, ATOM_ROWS)
             row_blocks_b = ceil_div(cfg.intermediate, ATOM_ROWS)
-            a0 = row_blocks_a * first + (tile_m * cfg.tile_m) // ATOM_ROWS * quads
-            nb0 = (tile_n * cfg.tile_n) // ATOM_ROWS
+            a0 = row_blocks_a * first + (tile_m * self.cta_m) // ATOM_ROWS * quads
+            nb0 = (tile_n * self.cta_n) // ATOM_ROWS
             b0 = row_blocks_b * first + nb0 * quads
             # A second B atom past the last row block repeats the last one (never used).
             b1 = row_blocks_b * first + cutlass.min(nb0 + 1, row_blocks_b - 1) * quads
@@ -280,8 +298,8 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
                 cute.group_modes(cute.local_tile(mSFB, (box_b, 1), (None, None)), 0, 2),
             )
             if cutlass.const_expr(self.recipe == BLOCKED):
-                atoms_a = sf_atoms(cfg.tile_m)
-                atoms_b = sf_atoms(cfg.tile_n)
+                atoms_a = sf_atoms(self.cta_m)
+                atoms_b = sf_atoms(self.cta_n)
                 a0, b0, b1 = unit_sf
                 cute.copy(atom_sfa, tAg[(None, 0, a0 + kt)], tAs[(None, stage * atoms_a)],
                           tma_bar_ptr=bar)
@@ -311,17 +329,17 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
         cfg = self.cfg
         num_k_blocks = cute.size(tCrA, mode=[2])
         tmp = cute.make_rmem_tensor(acc.layout, self.acc_dtype)
-        coords = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+        coords = thr_mma.partition_C(cute.make_identity_tensor((self.cta_m, self.cta_n)))
         acc.fill(0.0)
         for kt in cutlass.range(k_tiles, unroll=1):
             ab_pipeline.consumer_wait(ab_read)
             stage = ab_read.index
             if cutlass.const_expr(self.recipe == BLOCKED):
                 sSFA, sSFB = smem_scales
-                atoms_a = sf_atoms(cfg.tile_m)
-                atoms_b = sf_atoms(cfg.tile_n)
-                row_a = (tile_m * cfg.tile_m) % ATOM_ROWS
-                n0 = tile_n * cfg.tile_n
+                atoms_a = sf_atoms(self.cta_m)
+                atoms_b = sf_atoms(self.cta_n)
+                row_a = (tile_m * self.cta_m) % ATOM_ROWS
+                n0 = tile_n * self.cta_n
                 nb0 = n0 // ATOM_ROWS
                 # Each element's two scale words (the four 32-token columns of this stage),
                 # read once per stage: the compiler merges the repeated rows and columns.
@@ -378,15 +396,15 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
                 alpha = gsa[expert] * gsb[expert]
             if cutlass.const_expr(self.recipe == PER_EXPERT_CHANNEL):
                 sfa, sfb = scales[4], scales[5]
-                coords = thr_mma.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+                coords = thr_mma.partition_C(cute.make_identity_tensor((self.cta_m, self.cta_n)))
                 m0 = expert * cfg.hidden
                 n0 = expert * cfg.intermediate
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     m, n = coords[i]
                     # Rows / columns past the output's edge are clipped by the store: read
                     # the last channel's scale for them, never past the expert's row.
-                    gm = cutlass.min(tile_m * cfg.tile_m + m, cfg.hidden - 1)
-                    gn = cutlass.min(tile_n * cfg.tile_n + n, cfg.intermediate - 1)
+                    gm = cutlass.min(tile_m * self.cta_m + m, cfg.hidden - 1)
+                    gn = cutlass.min(tile_n * self.cta_n + n, cfg.intermediate - 1)
                     acc[i] = acc[i] * (sfa[m0 + gm] * sfb[n0 + gn] * alpha)
             elif cutlass.const_expr(cfg.has_global_scale):
                 for i in cutlass.range_constexpr(cute.size(acc)):

@@ -29,9 +29,10 @@ SM90_FP8_TILES = {
     (64, 192): "pingpong",
 }
 #: SM90 BF16 clusters: a CTA pair along N shares A (1, 2) or along M shares B (2, 1), loaded
-#: once from L2 by TMA multicast. The scaled FP8 kernel runs 1x1 clusters.
+#: once from L2 by TMA multicast. The scaled FP8 kernel runs the pairs too (each CTA loads its
+#: own scales).
 SM90_CLUSTERS = ((1, 1), (1, 2), (2, 1), (2, 2))
-SM90_FP8_CLUSTERS = ((1, 1),)
+SM90_FP8_CLUSTERS = ((1, 1), (1, 2), (2, 1))
 SM100_CLUSTERS = ((1, 1), (2, 1), (4, 1))
 SM100_BLOCKSCALED_TILES = ((128, 128), (128, 256), (256, 128), (256, 256))
 
@@ -161,8 +162,8 @@ def sm90_fp8_problem(mma_tiler_mn: Pair, cluster_shape_mn: Pair) -> Optional[Tup
         return "mma_tiler_mn", (f"expected one of {sorted(SM90_FP8_TILES)} for FP8 on SM90, "
                                 f"got {tuple(mma_tiler_mn)}")
     if tuple(cluster_shape_mn) not in SM90_FP8_CLUSTERS:
-        return "cluster_shape_mn", (f"expected (1, 1) for FP8 on SM90 (the scaled kernel runs "
-                                    f"1x1 clusters), got {tuple(cluster_shape_mn)}")
+        return "cluster_shape_mn", (f"expected one of {list(SM90_FP8_CLUSTERS)} for FP8 on "
+                                    f"SM90, got {tuple(cluster_shape_mn)}")
     return None
 
 

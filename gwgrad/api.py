@@ -102,8 +102,9 @@ def get_grouped_gemm_wgrad_workspace_size_sm100(
     hold anything (``torch.empty`` will do): before a single-launch kernel, whose prep
     hand-off counters are its first ``gwgrad.plan.WORKSPACE_ZEROED_BYTES`` (16) bytes, the
     wrapper and ``execute`` zero those on the call's stream. (``LaunchPlan.launch`` itself,
-    the raw-address tier, does not: there they must be zero before the first launch, and
-    every launch leaves them zero.)
+    the raw-address tier, does not: there they must be zero before the first launch; every
+    launch leaves the hand-off words, bytes 8-15, zero and rewrites bytes 0-7, the unit
+    counter and the offsets verdict, before reading them.)
     """
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
         raise ArgumentError("num_experts", f"expected a positive int, got {num_experts!r}")

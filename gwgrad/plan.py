@@ -131,8 +131,9 @@ def compile_spec(request: StaticSpec, tokens_sum: Optional[int] = None) -> Compi
     return op
 
 
-#: Leading workspace bytes that must be zero before a launch on a fresh workspace: the prep
-#: hand-off counters of single-launch kernels (kernels/common.py); every launch leaves them zero.
+#: Leading workspace bytes that must be zero before a launch on a fresh workspace: the unit
+#: counter and the offsets verdict (bytes 0-7, rewritten by every launch before use) and the
+#: prep hand-off words of single-launch kernels (bytes 8-15, left zero by every launch).
 WORKSPACE_ZEROED_BYTES = 16
 
 #: The workspace layout of kernels/common.py (ProblemConfig), restated without the DSL: a

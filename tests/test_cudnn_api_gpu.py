@@ -42,8 +42,9 @@ def _rel_err(got, want):
 @pytest.mark.parametrize("output_mode", ["dense", "discrete"])
 def test_descriptor_workspace_is_used_and_left_zero(output_mode, garbage):
     """Zero-filled or full of 0xFF bytes (what torch.empty may hold): the same results, launch
-    after launch. A single-launch kernel leaves the leading WORKSPACE_ZEROED_BYTES zero (its
-    prep hand-off counters); a two-launch one's prep kernel writes them at every launch."""
+    after launch. A single-launch kernel leaves its prep hand-off words (bytes 8-15 of the
+    leading WORKSPACE_ZEROED_BYTES) zero; bytes 0-7, the unit counter and the verdict, every
+    launch rewrites before reading them."""
     a, b, offsets, want = _inputs()
     experts = len(COUNTS)
     size = gwgrad.get_grouped_gemm_wgrad_workspace_size_sm100(experts, output_mode=output_mode)
@@ -64,7 +65,7 @@ def test_descriptor_workspace_is_used_and_left_zero(output_mode, garbage):
         torch.cuda.synchronize()
         assert _rel_err(out, want) < 1e-5
         if op.spec.launches == 1:
-            assert not workspace[:WORKSPACE_ZEROED_BYTES].any()
+            assert not workspace[8:WORKSPACE_ZEROED_BYTES].any()
     with pytest.raises(ValueError, match="^descriptor_workspace: expected at least"):
         op.execute(a, b, None, None, offsets, out,
                    descriptor_workspace=workspace[:op.workspace_bytes - 128])

@@ -294,23 +294,28 @@ def test_unit_schedule_one_predicate(arch, schedule, split, cluster, ok):
             finalize_spec(request)
 
 
-@pytest.mark.parametrize("recipe,intermediate,tile", [
-    ("per_expert_channel", 768, (128, 192)), ("block_1x128", 768, (128, 192)),
-    ("per_expert_channel", 128, (128, 128)), ("block_1x128", 128, (128, 128)),
-    ("blocked", 768, (64, 128)), ("blocked", 128, (64, 128)),
+@pytest.mark.parametrize("recipe,hidden,intermediate,tile,cluster", [
+    ("per_expert_channel", 512, 768, (128, 192), (2, 1)),
+    ("per_expert_channel", 384, 768, (128, 192), (1, 1)),  # 3 row tiles: a pair's CTA idle
+    ("per_expert_channel", 2944, 768, (128, 192), (2, 1)),  # 23 row tiles: >= 16, it fits
+    ("block_1x128", 512, 768, (128, 192), (1, 1)),
+    ("per_expert_channel", 512, 128, (128, 128), (1, 1)),
+    ("block_1x128", 512, 128, (128, 128), (1, 1)),
+    ("blocked", 512, 768, (64, 128), (1, 1)), ("blocked", 512, 128, (64, 128), (1, 1)),
 ])
 @pytest.mark.parametrize("tokens_per_expert", [None, 256, 4096])
-def test_fp8_sm90_default_tiling(recipe, intermediate, tile, tokens_per_expert):
+def test_fp8_sm90_default_tiling(recipe, hidden, intermediate, tile, cluster, tokens_per_expert):
     """The SM90 FP8 defaults (measured, backends/fp8_sm90.py): 128x192 for the channel and
-    1x128 recipes (128x128 on outputs of one 128-column tile), the pingpong 64x128 for MXFP8,
-    whatever the call's tokens."""
+    1x128 recipes (128x128 on outputs of one 128-column tile), the channel recipe on a 2x1
+    pair where the pair fits the hidden extent, the pingpong 64x128 for MXFP8, whatever the
+    call's tokens."""
     from gwgrad.backends import finalize_spec
     from kernel_compile import fp8_spec
 
-    request = fp8_spec("sm_90a", recipe, intermediate=intermediate)
+    request = fp8_spec("sm_90a", recipe, hidden=hidden, intermediate=intermediate)
     tokens = None if tokens_per_expert is None else tokens_per_expert * request.num_experts
     spec, _ = finalize_spec(request, tokens)
-    assert (spec.mma_tiler_mn, spec.cluster_shape_mn) == (tile, (1, 1))
+    assert (spec.mma_tiler_mn, spec.cluster_shape_mn) == (tile, cluster)
 
 
 @pytest.mark.parametrize("hidden,intermediate,experts,tokens,out,acc,tile,cluster,schedule", [

@@ -4,6 +4,7 @@ without a GPU (the DSL's --gpu-arch), and return the PTX."""
 from __future__ import annotations
 
 import contextlib
+import re
 import dataclasses
 import tempfile
 
@@ -156,3 +157,17 @@ def check_offsets_check_ptx(ptx: str, before_verdict=()) -> None:
     branch = re.match(r"\s*setp\.eq\.b32\s+(%p\d+), %r\d+, 0;\s*@\1 bra\s+(\$\w+);", after)
     assert branch, after[:200]
     assert re.search(re.escape(branch.group(2)) + r":\s*ret;", gemm)
+
+
+def check_descriptor_slots_ptx(ptx: str, descriptors: int) -> None:
+    """Every per-expert TMA descriptor the prep work writes fills its whole 128-byte slot: each
+    64 bytes of descriptor fields (copy_tensormap's 16- or 32-byte vector stores) come with
+    the four 16-byte zero stores over bytes 64-127 of the same slot (write_descriptor)."""
+    fields = 16 * len(re.findall(r"\bst\.global\.v2\.b64\b", ptx))
+    fields += 32 * len(re.findall(r"\bst\.global\.v4\.b64\b", ptx))
+    assert fields == 64 * descriptors, (fields, descriptors)
+    tails = re.findall(r"st\.global\.v4\.b32 \[(%rd\d+)\+64\], \{0, 0, 0, 0\}; "
+                       r"st\.global\.v4\.b32 \[\1\+80\], \{0, 0, 0, 0\}; "
+                       r"st\.global\.v4\.b32 \[\1\+96\], \{0, 0, 0, 0\}; "
+                       r"st\.global\.v4\.b32 \[\1\+112\], \{0, 0, 0, 0\};", ptx)
+    assert len(tails) == descriptors, (len(tails), descriptors)

@@ -52,3 +52,17 @@ def test_quantize():
                   quantize.test_ieee_fp32_arithmetic, quantize.test_stores,
                   quantize.test_amax_pass):
         check(ptx_of, fmt, elem, arch)
+
+
+@pytest.mark.parametrize("case", ["sm90-dense", "sm90-discrete-2-launches", "sm100-mxfp8"])
+def test_descriptor_slots_written_in_full(case):
+    """A caller's workspace has only its first 16 bytes zeroed: the prep work writes every
+    byte of each descriptor slot (A, B, the discrete output, and SM100's SFA / SFB)."""
+    from kernel_compile import check_descriptor_slots_ptx, compile_ptx, fp8_spec, replace, spec
+
+    s, descriptors = {
+        "sm90-dense": (spec("sm_90a"), 2),
+        "sm90-discrete-2-launches": (replace(spec("sm_90a", mode="discrete"), launches=2), 3),
+        "sm100-mxfp8": (fp8_spec("sm_100a", "blocked"), 4),
+    }[case]
+    check_descriptor_slots_ptx(compile_ptx(s), descriptors)

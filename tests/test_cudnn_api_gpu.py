@@ -71,6 +71,28 @@ def test_descriptor_workspace_is_used_and_left_zero(output_mode, garbage):
                    descriptor_workspace=workspace[:op.workspace_bytes - 128])
 
 
+@pytest.mark.parametrize("output_mode", ["dense", "discrete"])
+def test_workspace_garbage_gives_the_same_bits(output_mode):
+    """A descriptor_workspace whose every byte past the leading WORKSPACE_ZEROED_BYTES is 0xFF
+    gives the same bits as a zero-filled one: the prep work writes each descriptor slot in
+    full (kernels/common.py write_descriptor)."""
+    a, b, offsets, _ = _inputs()
+    experts = len(COUNTS)
+    size = gwgrad.get_grouped_gemm_wgrad_workspace_size_sm100(experts, output_mode=output_mode)
+    results = []
+    for fill in (0, 0xFF):
+        workspace = torch.full((size,), fill, dtype=torch.uint8, device="cuda")
+        workspace[:WORKSPACE_ZEROED_BYTES] = 0
+        out = torch.full((experts, HIDDEN, INTER), float("nan"), device="cuda")
+        gwgrad.grouped_gemm_wgrad_wrapper_sm100(a, b, None, None, offsets,
+                                                output_mode=output_mode, wgrad_tensor=out,
+                                                descriptor_workspace=workspace)
+        torch.cuda.synchronize()
+        results.append(out)
+    assert not torch.isnan(results[0]).any()
+    assert torch.equal(results[0].view(torch.int32), results[1].view(torch.int32))
+
+
 def test_unsupported_format_on_this_gpu():
     """FP4 on an SM90 GPU, FP32 scale factors on an SM100 GPU: NotImplementedError naming the
     argument, from the wrapper and from check_support()."""

@@ -740,6 +740,31 @@ def bulk_store_from_shared(gaddr: Int64, saddr: Int32, size: Int32, *, loc=None,
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
+#: Bytes of a TMA descriptor that copy_tensormap writes (the CUtensorMap's fields); the rest of
+#: its 128-byte slot is written with zeros (write_descriptor).
+DESC_FIELD_BYTES = 64
+
+
+def zero_descriptor_tail(gaddr: Int64, *, loc=None, ip=None) -> None:
+    """Zeros over bytes DESC_FIELD_BYTES..DESC_BYTES-1 of the descriptor slot at ``gaddr``
+    (128-byte aligned), four 16-byte stores."""
+    stores = " ".join(f"st.global.v4.b32 [$0+{off}], {{0, 0, 0, 0}};"
+                      for off in range(DESC_FIELD_BYTES, DESC_BYTES, 16))
+    llvm.inline_asm(None, [Int64(gaddr).ir_value(loc=loc, ip=ip)], stores, "l",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@cute.jit
+def write_descriptor(atom, slot: cute.Pointer) -> None:
+    """A TMA descriptor into its 128-byte workspace slot, every byte of it: the fields by
+    copy_tensormap, zeros after them. A caller's workspace only has its first 16 bytes
+    zeroed, so nothing of a slot may be left to what the memory held (cuDNN also writes all
+    128 bytes)."""
+    cpasync.copy_tensormap(atom, slot)
+    zero_descriptor_tail(slot.toint())
+
+
 def store_shared_zeros_16b(saddr: Int32, *, loc=None, ip=None) -> None:
     """16 zero bytes at shared address ``saddr`` (16-byte aligned)."""
     llvm.inline_asm(None, [Int32(saddr).ir_value(loc=loc, ip=ip)],
@@ -1079,8 +1104,8 @@ class GroupedWgradKernel(GemmEntryPoints):
         a_e = expert_operand_view(mA, cfg.hidden, cfg.a_ragged_block, begin, end)
         b_e = expert_operand_view(mB, cfg.intermediate, cfg.b_ragged_block, begin, end)
         atom_a, atom_b = self.expert_load_atoms(a_e, b_e, tiled_mma, a_smem_layout, b_smem_layout)
-        cpasync.copy_tensormap(atom_a, ws.desc_ptr(expert, DESC_A))
-        cpasync.copy_tensormap(atom_b, ws.desc_ptr(expert, DESC_B))
+        write_descriptor(atom_a, ws.desc_ptr(expert, DESC_A))
+        write_descriptor(atom_b, ws.desc_ptr(expert, DESC_B))
         if cutlass.const_expr(cfg.output_mode == "discrete"):
             if output_ptr_ok(wgrad_ptrs, expert):
                 c_e = expert_output_view(
@@ -1092,7 +1117,7 @@ class GroupedWgradKernel(GemmEntryPoints):
                 atom_c, _ = cpasync.make_tiled_tma_atom(
                     self.c_store_op(), self.expert_output_tensor(c_e), epi_smem_layout, epi_tile
                 )
-                cpasync.copy_tensormap(atom_c, ws.desc_ptr(expert, DESC_C))
+                write_descriptor(atom_c, ws.desc_ptr(expert, DESC_C))
         return ws, expert, begin, end, columns_before
 
     # -- single launch: the prep work inside the GEMM kernel ---------------------------------

@@ -14,7 +14,8 @@ hooks. Where it differs, after the CuTe DSL example dense_blockscaled_gemm_persi
                its chunk of the blocked 32x4x4 layout (gwgrad/scales.py) starts at
                round_up(rows, 128) * sf_base[e] bytes (sf_base: the prefix sum of the padded
                scale columns of the experts before it) and spans exactly its C_e columns: a
-               load past them is zero-filled by TMA, never another expert's scales.
+               load past them is zero-filled by TMA, never another expert's scales. Every
+               slot is written in full, fields then zeros (common.write_descriptor).
   TMA warp     per stage, with A and B: the m-tile's SFA and the n-tile's SFB atoms of the K
                block on the same transaction barrier, multicast as the example does (SFA like
                A; SFB over the cluster's M extent).
@@ -72,6 +73,7 @@ from .common import (
     ScaledEntryPoints,
     Workspace,
     scale_columns,
+    write_descriptor,
     tma_desc_ptr_for_copy,
 )
 from .sm100_bf16 import UNIT_WORDS, Sm100GroupedWgrad
@@ -392,8 +394,8 @@ class Sm100BlockScaledGroupedWgrad(ScaledEntryPoints, Sm100GroupedWgrad):
         atom_sfa, _, atom_sfb, _ = self.scale_atoms(
             sfa_e, sfb_e, tiled_mma, tiled_mma_sfb, sfa_smem_layout, sfb_smem_layout
         )
-        cpasync.copy_tensormap(atom_sfa, ws.desc_ptr(expert, cfg.desc_sfa))
-        cpasync.copy_tensormap(atom_sfb, ws.desc_ptr(expert, cfg.desc_sfb))
+        write_descriptor(atom_sfa, ws.desc_ptr(expert, cfg.desc_sfa))
+        write_descriptor(atom_sfb, ws.desc_ptr(expert, cfg.desc_sfb))
         # Order the descriptor writes before the GEMM kernel's tensormap-proxy reads.
         cpasync.fence_tma_desc_release()
 

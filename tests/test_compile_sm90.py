@@ -179,7 +179,6 @@ def test_cooperative_epilogue_buffer_set_per_group(case):
 
 @pytest.mark.parametrize("arch,tile,cluster,sets,extra", [
     ("sm_90a", (256, 128), (2, 1), 2, {}),  # 256-row cooperative CTA tile: rows interleave
-    ("sm_90a", (128, 256), (1, 1), 2, dict(split_tokens=256)),  # turn flags: one store warp
     ("sm_90a", (128, 128), (1, 1), 3, {}),
     ("sm_100a", (128, 128), (1, 1), 2, {}),
 ])
@@ -231,38 +230,6 @@ def test_launches_per_call_compile(launches, mode, cluster):
     check_hopper_ptx(ptx, False, cluster=cluster != (1, 1))
     if launches == 2:
         assert "ld.acquire.gpu" not in ptx and "fence.proxy.tensormap::generic.release" in ptx
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("tile,kw", [
-    ((128, 128), {}),
-    ((128, 256), {}),
-    ((128, 128), dict(out="float32", acc=True)),
-    ((128, 128), dict(mode="discrete", order="tensor_ragged", a_major="k", b_major="k")),
-], ids=["pp", "coop", "pp-f32-acc", "pp-discrete-ragged"])
-def test_k_split_compiles(tile, kw):
-    """spec.split_tokens (the K split): a later chunk of a tile waits with acquire loads of the
-    tile's flag and fences the async proxy before its TMA adds; after a split expert's tile the
-    store warp waits for its bulk groups to complete (wait_group 0, not .read), fences, meets
-    at a warp barrier, and one lane counts the chunk with a release exchange. Without
-    accumulation the kernel has both the TMA store (chunk 0) and the reduce-add."""
-    from kernel_compile import replace
-
-    ptx = compile_ptx(replace(spec("sm_90a", tile=tile, cluster=(1, 1), **kw), split_tokens=512))
-    assert re.search(r"ld\.acquire\.gpu\.global\.b32[\s\S]{0,400}?fence\.proxy\.async\.global;"
-                     r"[\s\S]{0,800}?cp\.reduce\.async\.bulk\.tensor", ptx)
-    assert re.search(r"cp\.async\.bulk\.wait_group\s+0;\s*fence\.proxy\.async\.global;\s*"
-                     r"bar\.warp\.sync\s+-1;[\s\S]{0,200}?atom\.global\.release\.exch\.b32", ptx)
-    assert "cp.reduce.async.bulk.tensor" in ptx
-    stores = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)
-    assert bool(stores) == (not kw.get("acc", False))
-
-
-@pytest.mark.compile
-def test_no_k_split_no_flags():
-    """Without the K split (the default) the GEMM has none of the split's flag traffic."""
-    ptx = compile_ptx(spec("sm_90a", tile=(128, 128), cluster=(1, 1)))
-    assert "atom.global.release.exch" not in ptx and "cp.async.bulk.wait_group \t0;" not in ptx
 
 
 @pytest.mark.compile

@@ -12,7 +12,7 @@ import itertools
 import pytest
 
 from gwgrad.kernels.tiling import (PROBLEMS, SM90_TILES, epi_buffer_sets_problem,
-                                   split_tokens_problem, unit_schedule_problem)
+                                   unit_schedule_problem)
 
 TILES = list(itertools.product((64, 128, 256), (64, 96, 128, 160, 192, 224, 256)))
 CLUSTERS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
@@ -237,55 +237,26 @@ def test_launches_per_call():
             finalize_spec(dataclasses.replace(request, launches=launches))
 
 
-@pytest.mark.parametrize("arch,split,cluster,ok", [
-    ("sm_90a", 512, (1, 1), True), ("sm_90a", 0, (1, 2), True), ("cpu", 4096, (1, 1), True),
-    ("sm_90a", 100, (1, 1), False), ("sm_90a", -64, (1, 1), False),
-    ("sm_90a", 512, (1, 2), False), ("sm_100a", 512, (1, 1), False), ("cpu", 96, (1, 1), False),
+@pytest.mark.parametrize("arch,schedule,cluster,ok", [
+    ("sm_90a", 2, (1, 1), True), ("sm_90a", 3, (2, 2), True), ("cpu", 2, (1, 2), True),
+    ("cpu", 3, (1, 1), True), ("sm_90a", 1, (1, 1), True), ("sm_90a", 0, (1, 1), True),
+    ("sm_90a", 5, (1, 1), False), ("sm_90a", 4, (1, 2), True), ("sm_100a", 4, (1, 1), False),
+    ("sm_90a", -1, (1, 1), False), ("sm_100a", 2, (1, 1), False),
+    ("sm_100a", 3, (1, 1), False), ("sm_100a", 1, (1, 1), True),
 ])
-def test_split_tokens_one_predicate(arch, split, cluster, ok):
-    """spec.split_tokens (the K split): tiling.split_tokens_problem decides for the SM90 and
-    SM100 kernels and the CPU reference alike; what it refuses is a ValueError naming
-    split_tokens (the compile test of what it accepts: tests/test_compile_sm90.py)."""
-    import dataclasses
-
-    from gwgrad.backends import finalize_spec
-
-    assert (split_tokens_problem(split, cluster, False, arch) is None) == ok
-    assert split_tokens_problem(512, (1, 1), True, "sm_90a") is not None  # block-scaled
-    if arch != "cpu":
-        pytest.importorskip("cutlass")
-    request = dataclasses.replace(_spec(arch, (128, 128), cluster), split_tokens=split)
-    if ok:
-        assert finalize_spec(request)[0].split_tokens == split
-    else:
-        with pytest.raises(ValueError, match=r"^split_tokens: expected"):
-            finalize_spec(request)
-
-
-@pytest.mark.parametrize("arch,schedule,split,cluster,ok", [
-    ("sm_90a", 2, 0, (1, 1), True), ("sm_90a", 3, 0, (2, 2), True), ("cpu", 2, 0, (1, 2), True),
-    ("cpu", 3, 0, (1, 1), True), ("sm_90a", 1, 512, (1, 1), True),
-    ("sm_90a", 0, 512, (1, 1), True), ("sm_90a", 2, 512, (1, 1), False),
-    ("cpu", 3, 512, (1, 1), False), ("sm_90a", 5, 0, (1, 1), False),
-    ("sm_90a", 4, 0, (1, 2), True), ("sm_90a", 4, 512, (1, 1), False),
-    ("sm_100a", 4, 0, (1, 1), False),
-    ("sm_90a", -1, 0, (1, 1), False), ("sm_100a", 2, 0, (1, 1), False),
-    ("sm_100a", 3, 0, (1, 1), False), ("sm_100a", 1, 0, (1, 1), True),
-])
-def test_unit_schedule_one_predicate(arch, schedule, split, cluster, ok):
+def test_unit_schedule_one_predicate(arch, schedule, cluster, ok):
     """spec.unit_schedule: tiling.unit_schedule_problem decides for the SM90 and SM100 kernels
     and the CPU reference alike (0 default and 1 dynamic everywhere; 2 static, 3 balanced and
-    4 hybrid in SM90 BF16 only, never with the K split, whose chunks wait for lower units);
-    what it refuses is a ValueError naming unit_schedule, and finalize_spec resolves 0."""
+    4 hybrid in SM90 BF16 only); what it refuses is a ValueError naming unit_schedule, and
+    finalize_spec resolves 0."""
     from gwgrad.backends import finalize_spec
 
-    assert (unit_schedule_problem(schedule, split, False, arch) is None) == ok
-    assert unit_schedule_problem(2, 0, True, "sm_90a") is not None  # block-scaled
-    assert unit_schedule_problem(1, 0, True, "sm_90a") is None
+    assert (unit_schedule_problem(schedule, False, arch) is None) == ok
+    assert unit_schedule_problem(2, True, "sm_90a") is not None  # block-scaled
+    assert unit_schedule_problem(1, True, "sm_90a") is None
     if arch != "cpu":
         pytest.importorskip("cutlass")
-    request = dataclasses.replace(_spec(arch, (128, 128), cluster), unit_schedule=schedule,
-                                  split_tokens=split)
+    request = dataclasses.replace(_spec(arch, (128, 128), cluster), unit_schedule=schedule)
     if ok:
         final = finalize_spec(request)[0].unit_schedule
         assert final == schedule if schedule else final in (1, 2, 3, 4)
@@ -378,11 +349,9 @@ def test_sm90_bf16_pairs_only_when_the_tiling_is_left_open():
 
 
 @pytest.mark.parametrize("arch", ["cpu", "sm_90a"])
-@pytest.mark.parametrize("case", ["k_split", "fp8"])
-def test_a_set_per_cooperative_group_is_refused_where_the_kernel_cannot_run_it(arch, case):
-    """epi_buffer_sets=2 on a cooperative tile is refused with the K split (its turn flags
-    count one store warp per tile) and with block-scaled inputs, by the GPU backend and by
-    the CPU reference alike (ValueError naming the argument)."""
+def test_a_set_per_cooperative_group_is_refused_where_the_kernel_cannot_run_it(arch):
+    """epi_buffer_sets=2 on a cooperative tile is refused with block-scaled inputs, by the GPU
+    backend and by the CPU reference alike (ValueError naming the argument)."""
     import dataclasses
 
     if arch != "cpu":
@@ -390,12 +359,8 @@ def test_a_set_per_cooperative_group_is_refused_where_the_kernel_cannot_run_it(a
     from gwgrad.backends import finalize_spec
     from kernel_compile import fp8_spec
 
-    if case == "k_split":
-        request = dataclasses.replace(_spec(arch, (128, 256), (1, 1)), split_tokens=256)
-        want = r"with the K split \(split_tokens=256\)"
-    else:
-        request = fp8_spec(arch, "block_1x128", tile=(128, 128), cluster=(1, 1))
-        want = "with block-scaled inputs on a cooperative tile"
+    request = fp8_spec(arch, "block_1x128", tile=(128, 128), cluster=(1, 1))
+    want = "with block-scaled inputs on a cooperative tile"
     finalize_spec(request)  # one set: accepted
     with pytest.raises(ValueError, match=rf"^epi_buffer_sets: expected 1 {want}.*got 2$"):
         finalize_spec(dataclasses.replace(request, epi_buffer_sets=2))

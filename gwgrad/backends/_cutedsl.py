@@ -94,7 +94,6 @@ def problem_config(spec: StaticSpec, schedule: str, unit_tile_m: int = 0, unit_t
         sf_vec=spec.sf_vec_size if spec.is_block_scaled else 0,
         has_global_scale=spec.has_global_scale,
         launches=spec.launches or 2,  # 0: a spec that skipped finalize_spec
-        split_tokens=spec.split_tokens,
         unit_schedule=spec.unit_schedule or 1,
     )
 

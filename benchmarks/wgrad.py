@@ -782,9 +782,8 @@ def plot(rows: List[Dict], path: str) -> Optional[str]:
 
 #: StaticSpec fields a --tiles entry may set (``MxN:field=value``; ``cluster=MxN`` sets
 #: cluster_shape_mn; ``launches=2``: the prep kernel then the GEMM, against the default single
-#: launch; ``unit_schedule=2``: units handed out statically, no counter and no cluster hand-off; 3:
-#: static when the counts are balanced; 4: that, or a static head and a dynamic tail; 1: the
-#: dynamic counter).
+#: launch; ``unit_schedule=3``: units handed out statically (no counter, no cluster hand-off)
+#: when the counts are balanced, else dynamically; 1: the dynamic counter).
 TUNING_FIELDS = ("raster_group", "epi_tile_n", "epi_buffer_sets", "cluster", "launches",
                  "unit_schedule")
 

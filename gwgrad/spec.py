@@ -58,11 +58,10 @@ class StaticSpec:
     # tuning: JAX's custom call asks for 2 (XLA's workspace is not zeroed).
     launches: int = 0
     # How CTAs (clusters) take their units (tuning; kernels/tiling.py UNIT_SCHEDULES): 0, the
-    # backend's default; 1 dynamic (an atomic counter); 2 static (CTA b takes units b,
-    # b + grid, ... with no counter and, on a cluster, no hand-off from its leader); 3
-    # balanced (static on a launch whose expert counts are balanced, else dynamic, decided in
-    # the kernel); 4 hybrid (as 3, but an unbalanced launch takes a static head of units and
-    # a dynamic tail). 2-4: SM90 BF16.
+    # backend's default; 1 dynamic (an atomic counter); 3 balanced (SM90 BF16: a static order,
+    # CTA b taking units b, b + grid, ... with no counter and, on a cluster, no hand-off from
+    # its leader, on a launch whose expert counts are balanced, else dynamic, decided in the
+    # kernel).
     unit_schedule: int = 0
 
     @property

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 
 import pytest
 
@@ -238,31 +239,62 @@ def test_launches_per_call():
 
 
 @pytest.mark.parametrize("arch,schedule,cluster,ok", [
-    ("sm_90a", 2, (1, 1), True), ("sm_90a", 3, (2, 2), True), ("cpu", 2, (1, 2), True),
+    ("sm_90a", 3, (2, 2), True), ("cpu", 3, (1, 2), True),
     ("cpu", 3, (1, 1), True), ("sm_90a", 1, (1, 1), True), ("sm_90a", 0, (1, 1), True),
-    ("sm_90a", 5, (1, 1), False), ("sm_90a", 4, (1, 2), True), ("sm_100a", 4, (1, 1), False),
-    ("sm_90a", -1, (1, 1), False), ("sm_100a", 2, (1, 1), False),
+    ("sm_90a", 5, (1, 1), False),
+    ("sm_90a", -1, (1, 1), False),
     ("sm_100a", 3, (1, 1), False), ("sm_100a", 1, (1, 1), True),
 ])
 def test_unit_schedule_one_predicate(arch, schedule, cluster, ok):
     """spec.unit_schedule: tiling.unit_schedule_problem decides for the SM90 and SM100 kernels
-    and the CPU reference alike (0 default and 1 dynamic everywhere; 2 static, 3 balanced and
-    4 hybrid in SM90 BF16 only); what it refuses is a ValueError naming unit_schedule, and
-    finalize_spec resolves 0."""
+    and the CPU reference alike (0 default and 1 dynamic everywhere; 3 balanced in SM90 BF16
+    only); what it refuses is a ValueError naming unit_schedule, and finalize_spec resolves
+    0."""
     from gwgrad.backends import finalize_spec
 
     assert (unit_schedule_problem(schedule, False, arch) is None) == ok
-    assert unit_schedule_problem(2, True, "sm_90a") is not None  # block-scaled
+    assert unit_schedule_problem(3, True, "sm_90a") is not None  # block-scaled
     assert unit_schedule_problem(1, True, "sm_90a") is None
     if arch != "cpu":
         pytest.importorskip("cutlass")
     request = dataclasses.replace(_spec(arch, (128, 128), cluster), unit_schedule=schedule)
     if ok:
         final = finalize_spec(request)[0].unit_schedule
-        assert final == schedule if schedule else final in (1, 2, 3, 4)
+        assert final == schedule if schedule else final in (1, 3)
     else:
         with pytest.raises(ValueError, match=r"^unit_schedule: expected"):
             finalize_spec(request)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "cpu"])
+@pytest.mark.parametrize("schedule", [2, 4], ids=["static", "hybrid"])
+def test_unit_schedules_without_a_kernel_are_rejected(arch, schedule):
+    """A spec carries only the dynamic (1) and balanced (3) schedules (0: the backend's
+    default). The static order runs only as the balanced schedule's half, the hybrid schedule
+    not at all: 2 and 4 are a ValueError naming unit_schedule, from the predicate, from
+    finalize_spec (GPU backends and the CPU reference) and from the SM90 kernel's
+    can_implement."""
+    from gwgrad.backends import finalize_spec
+
+    detail = (f"expected 0 (the backend's default), 1 (dynamic) or 3 (balanced), "
+              f"got {schedule}")
+    want = "^unit_schedule: " + re.escape(detail) + "$"
+    assert unit_schedule_problem(schedule, False, arch) == ("unit_schedule", detail)
+    if arch != "cpu":
+        pytest.importorskip("cutlass")
+    cluster = (1, 1) if arch == "sm_100a" else (1, 2)
+    request = dataclasses.replace(_spec(arch, (128, 128), cluster), unit_schedule=schedule)
+    with pytest.raises(ValueError, match=want):
+        finalize_spec(request)
+    if arch == "sm_90a":
+        from gwgrad.backends.bf16_sm90 import Bf16Sm90Backend
+        from gwgrad.kernels.sm90_bf16 import Sm90GroupedWgrad
+
+        final = finalize_spec(dataclasses.replace(request, unit_schedule=1))[0]
+        cfg = dataclasses.replace(Bf16Sm90Backend().config(final), unit_schedule=schedule)
+        assert Sm90GroupedWgrad.can_implement(cfg)[0] == "unit_schedule"
+        with pytest.raises(ValueError, match=want):
+            Sm90GroupedWgrad(cfg)
 
 
 @pytest.mark.parametrize("recipe,intermediate,tile", [

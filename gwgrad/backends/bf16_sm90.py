@@ -68,8 +68,7 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         # where the static order measures faster on balanced counts. Dynamic for 1x1 CTAs
         # (a static order moves several times the DRAM bytes: CTAs drift apart and stop
         # sharing operand panels in L2), for quads (static orders untimed there) and for the
-        # short-expert FP32 pairs of tiling_for_tokens (slower static). The hybrid schedule
-        # stays opt-in: its static head moves more DRAM bytes on skewed counts.
+        # short-expert FP32 pairs of tiling_for_tokens (slower static).
         if (sorted(spec.cluster_shape_mn) != [1, 2]
                 or (spec.wgrad_dtype.itemsize == 4 and _output_tiles(spec) < EPI_SPLIT_TILES)):
             return SCHEDULE_DYNAMIC

@@ -30,13 +30,11 @@ saves the host one cudaLaunchKernelEx per call (docs/PERFORMANCE.md, host overhe
     spread    int32      byte 24 (balanced schedule only): the largest count minus the smallest
                          nonzero one (expert 0)
     tokens    int32      byte 28 (balanced schedule only): the sanitized counts' sum (expert 0)
-    most      int32      byte 32 (hybrid schedule only): the largest count (expert 0)
-              (bytes 20 and 36..127 of this 128-byte block are unused)
+              (bytes 20 and 32..127 of this 128-byte block are unused: the other words keep
+              their offsets)
     ranges    int32[2E]  sanitized (begin, end) token range of every expert
     order     int32[E]   expert of each rank (longest first)
     sf_base   int32[E]   (block-scaled) first scale column / row of every expert
-    rank_tokens int32[E] (hybrid schedule) per rank: the tokens of that rank and every later
-                         one (non-increasing; the tail's size)
     descs     128 B each per expert: TMA descriptors for A and B, and for the output in
               discrete mode
 
@@ -93,18 +91,19 @@ from cutlass.cutlass_dsl import dsl_user_op
 from ..offsets import (COUNT_NOT_MULTIPLE, LAST_NOT_TOKENS_SUM, NEGATIVE_COUNT,
                        OUTPUT_PTR_INVALID, SCALES_TOO_SMALL)
 from ..scales import column_rule
-from .tiling import SCHEDULE_BALANCED, SCHEDULE_HYBRID
+from .tiling import SCHEDULE_BALANCED
 from .types import CUTLASS_TYPES
 
 DESC_BYTES = 128
-COUNTER_BYTES = 128  # the block holding the unit counter, the verdict and the prep hand-off
+# The block of counters (module doc): bytes 0 counter, 4 verdict, 8 and 12 the prep hand-off,
+# 16 live, 24 spread, 28 tokens; 20 and 32..127 unused.
+COUNTER_BYTES = 128
 VERDICT_BYTE = 4
 PREP_NEXT_BYTE = 8  # single launch: the next expert a prep warp takes (0 between launches)
 PREP_DONE_BYTE = 12  # ... experts prepared, then + CTAs past the hand-off (0 between launches)
 LIVE_BYTE = 16  # experts with tokens (ranks 0 .. live-1 of the unit order; the rest are empty)
 SPREAD_BYTE = 24  # balanced schedule: the largest count minus the smallest nonzero one
 TOKENS_BYTE = 28  # balanced schedule: the tokens of all experts (sanitized counts)
-MOST_BYTE = 32  # hybrid schedule: the largest count
 # The status record (see module doc): 8 int32, 16-byte aligned.
 STATUS_INT32 = 8
 (STATUS_CODE, STATUS_EXPERT, STATUS_VALUE, STATUS_PREV, STATUS_TOKENS_SUM,
@@ -160,8 +159,8 @@ class ProblemConfig:
     # work itself before a hand-off (GroupedWgradKernel.prep_in_kernel; SM90 BF16). The
     # single launch needs the workspace's hand-off words zero before its first use.
     launches: int = 2
-    # How the producer takes units (tiling.UNIT_SCHEDULES: 1 dynamic, 2 static, 3 balanced,
-    # 4 hybrid; 2-4 in the SM90 BF16 kernel only).
+    # How the producer takes units (tiling.UNIT_SCHEDULES: 1 dynamic, 3 balanced; 3 in the
+    # SM90 BF16 kernel only).
     unit_schedule: int = 1
 
     # -- scales ------------------------------------------------------------------------
@@ -231,19 +230,13 @@ class ProblemConfig:
 
     @property
     def counts_words(self) -> bool:
-        """The prep work writes the counts' spread / tokens (/ largest) words (balanced and
-        hybrid unit schedules)."""
-        return self.unit_schedule in (SCHEDULE_BALANCED, SCHEDULE_HYBRID)
-
-    @property
-    def rank_tokens_offset(self) -> int:
-        """Hybrid schedule: one int32 per rank, the tokens of that rank and every later one."""
-        return self.sf_base_offset + (4 * self.num_experts if self.sf_rule else 0)
+        """The prep work writes the counts' spread and tokens words (the balanced unit
+        schedule)."""
+        return self.unit_schedule == SCHEDULE_BALANCED
 
     @property
     def desc_offset(self) -> int:
-        hybrid = self.unit_schedule == SCHEDULE_HYBRID
-        end = self.rank_tokens_offset + (4 * self.num_experts if hybrid else 0)
+        end = self.sf_base_offset + (4 * self.num_experts if self.sf_rule else 0)
         return ceil_div(end, DESC_BYTES) * DESC_BYTES
 
     @property
@@ -363,12 +356,6 @@ class Workspace:
         self.tokens = cute.make_tensor(
             cute.recast_ptr(base + TOKENS_BYTE, dtype=Int32), cute.make_layout(1)
         )
-        self.most = cute.make_tensor(
-            cute.recast_ptr(base + MOST_BYTE, dtype=Int32), cute.make_layout(1)
-        )
-        self.rank_tokens = cute.make_tensor(
-            cute.recast_ptr(base + cfg.rank_tokens_offset, dtype=Int32), cute.make_layout(e)
-        )
 
     # Kernels carry a Workspace through dynamic loops: it is rebuilt from its base pointer.
     def __extract_mlir_values__(self):
@@ -451,8 +438,7 @@ def write_ranges_and_order(
     ahead = Int32(0)
     nonempty = Int32(0)
     columns_before = Int32(0)
-    most, least, total = Int32(0), Int32(0x7FFFFFFF), Int32(0)  # balanced / hybrid only
-    behind = Int32(0)  # hybrid only: the tokens of the experts ranked after this one
+    most, least, total = Int32(0), Int32(0x7FFFFFFF), Int32(0)  # balanced only
     for j in range(lane, cfg.num_experts, 32):
         bj, ej = sanitized_range(offsets, j, tokens_sum, cfg.count_multiple)
         cj = ej - bj
@@ -464,8 +450,6 @@ def write_ranges_and_order(
             total += cj
         is_ahead = Int32(cj > count) | (Int32(cj == count) & Int32(j < expert))
         ahead += is_ahead
-        if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_HYBRID):
-            behind += (Int32(1) - is_ahead) * Int32(j != expert) * cj
         if cutlass.const_expr(cfg.sf_rule is not None):
             columns_before += Int32(j < expert) * scale_columns(cfg, cj)
     rank = cute.arch.warp_redux_sync(ahead, "add")
@@ -491,13 +475,6 @@ def write_ranges_and_order(
         if lane == 0 and expert == 0:
             ws.spread[0] = cutlass.max(most - least, Int32(0))
             ws.tokens[0] = total
-            if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_HYBRID):
-                ws.most[0] = most
-    if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_HYBRID):
-        # The tail's size by rank (Sm90GroupedWgrad.static_head).
-        behind = cute.arch.warp_redux_sync(behind, "add")
-        if lane == 0:
-            ws.rank_tokens[rank] = behind + count
     return begin, end, columns_before
 
 

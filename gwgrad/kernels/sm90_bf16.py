@@ -29,13 +29,13 @@ accumulating) as soon as it is staged (GroupedWgradKernel.store_subtile, shared 
 Clusters (BF16): (1, 2) shares A, (2, 1) B, (2, 2) both, by TMA multicast; a unit is the
 cluster's tile, the leader takes units and hands them to its peers, and a CTA whose part lies
 past the output computes it (the cluster stays in step) and stores nothing. Unit schedules
-(tiling.UNIT_SCHEDULES): dynamic (atomic counter), static, balanced (static on balanced
-counts, decided in the kernel per launch) and hybrid.
+(tiling.UNIT_SCHEDULES): dynamic (atomic counter) and balanced (a static order on balanced
+counts, else dynamic, decided in the kernel per launch).
 
 Verified on an H200: tests/test_sm90_kernel_gpu.py (TestSm90, TestSm90TwoLaunches,
 TestSm90PairSharingA / B, TestSm90Quad: every mode per cluster shape; test_pingpong_ and
-test_cooperative_epilogue_buffer_set_per_group, test_single_launch_*, test_static_units,
-test_balanced_schedule, test_hybrid_schedule, test_zero_fill_*),
+test_cooperative_epilogue_buffer_set_per_group, test_single_launch_*,
+test_balanced_schedule, test_zero_fill_*),
 tests/test_status_gpu.py (invalid offsets write nothing), tests/test_api_gpu.py and the
 adapters' GPU tests. Not yet under the fuzz (tests/test_fuzz_gpu.py), the sanitizer or the soak
 runs: coop_split. PTX checks (sm_90a, no GPU): tests/test_compile_sm90.py.
@@ -79,8 +79,8 @@ from .common import (
     token_origin,
     unit_tile_coords,
 )
-from .tiling import (SM90_CLUSTERS, epi_buffer_sets_problem, unit_schedule_problem, SCHEDULE_BALANCED, SCHEDULE_HYBRID, SCHEDULE_STATIC,
-                     BALANCED_SPREAD)
+from .tiling import (SM90_CLUSTERS, epi_buffer_sets_problem, unit_schedule_problem,
+                     SCHEDULE_BALANCED, BALANCED_SPREAD)
 
 SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_90")  # 227 KiB per CTA
 SCHED_STAGES = 4
@@ -596,33 +596,18 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         live_units = ws.live[0] * cfg.tiles_per_expert
         # Static units (a balanced schedule decides per launch): each CTA of a cluster computes
         # the same sequence, so there is nothing to hand off.
-        static = Int32(0)  # balanced: this launch's choice (the other schedules are fixed)
+        static = Int32(0)  # balanced: this launch's choice (dynamic is fixed)
         if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_BALANCED):
             static = self.counts_balanced(ws, grid)
-        # Hybrid: units below `head` (a multiple of the grid) go out statically, the rest from
-        # the counter (+ head); a balanced launch is static throughout.
-        head = grid
-        if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_HYBRID):
-            if self.counts_balanced(ws, grid) != 0:
-                head = live_units + grid
-            else:
-                head = self.static_head(ws, grid, lane)
         while unit < live_units:
             self.publish(sched_pipeline, sched_state, sched_slots, unit, expert, k_tiles, lane)
             sched_state.advance()
             nxt = Int32(0)
-            if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_STATIC):
-                nxt = unit + grid
-            elif cutlass.const_expr(cfg.unit_schedule == SCHEDULE_BALANCED):
+            if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_BALANCED):
                 if static != 0:
                     nxt = unit + grid
                 else:
                     nxt, seq = self.dynamic_next_unit(ws, mailbox, seq, grid, lane)
-            elif cutlass.const_expr(cfg.unit_schedule == SCHEDULE_HYBRID):
-                if unit + grid < head:
-                    nxt = unit + grid
-                else:
-                    nxt, seq = self.dynamic_next_unit(ws, mailbox, seq, head, lane)
             else:
                 nxt, seq = self.dynamic_next_unit(ws, mailbox, seq, grid, lane)
             nxt = cute.arch.shuffle_sync(nxt, 0)
@@ -662,7 +647,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         # Tell the consumers there is no more work.
         self.publish(sched_pipeline, sched_state, sched_slots, unit, Int32(-1), Int32(0), lane)
         ab_pipeline.producer_tail(ab_state)
-        if cutlass.const_expr(self.cluster_size > 1 and cfg.unit_schedule != SCHEDULE_STATIC):
+        if cutlass.const_expr(self.cluster_size > 1):
             # The leader stays until every peer has taken every unit id it sent (their
             # arrives land in its shared memory), as producer_tail does for the stages; after
             # a static launch of a balanced schedule it sent none (seq 0: the waits pass).
@@ -721,7 +706,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     def dynamic_next_unit(self, ws, mailbox, seq, base, lane):
         """(the next unit on lane 0, the mailbox sequence number after it) of the dynamic
         schedule: the counter's next value + base (the grid: every CTA (cluster) started with
-        its index; hybrid: the static head), through the leader on a cluster."""
+        its index), through the leader on a cluster."""
         nxt = Int32(0)
         if cutlass.const_expr(self.cluster_size == 1):
             if lane == 0:
@@ -730,23 +715,6 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             nxt = self.cluster_next_unit(ws, mailbox, seq, base, lane)
             seq += 1
         return nxt, seq
-
-    @cute.jit
-    def static_head(self, ws, grid, lane):
-        """Hybrid schedule, an unbalanced launch: the units handed out statically, a multiple
-        of the grid (at least one round). Units go out longest expert first, so after a static
-        head two CTAs' work differs by at most one unit of the longest expert (`most` tokens);
-        the dynamic tail must hold at least grid x that: it starts at the last rank r whose
-        tokens from r on (rank_tokens, written by the prep work) x units per expert reach
-        grid x most. The warp counts those ranks (rank_tokens does not increase with r)."""
-        cfg = self.cfg
-        need = Int64(ws.most[0]) * Int64(grid)
-        found = Int32(0)
-        for r in range(lane, ws.live[0], 32):
-            found += Int32(Int64(ws.rank_tokens[r]) * cfg.tiles_per_expert >= need)
-        found = cute.arch.warp_redux_sync(found, "add")
-        tail_rank = cutlass.max(found - 1, Int32(0))
-        return cutlass.max(grid, (tail_rank * cfg.tiles_per_expert) // grid * grid)
 
     @cute.jit
     def counts_balanced(self, ws, grid):
@@ -762,7 +730,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     def cluster_next_unit(self, ws, mailbox, seq, base, lane):
         """The cluster's next unit (lane 0; the other lanes get 0), its `seq`-th from the
         counter. The leader takes it (atomic add, + base: the clusters that started with their
-        index, or the hybrid schedule's static head) and stores it into each peer's mailbox
+        index) and stores it into each peer's mailbox
         slot with st.async, which completes the peer's full barrier; a peer waits for it and
         acknowledges on the leader's empty barrier, which the leader waits on before reusing
         the slot. Every CTA of the cluster therefore walks the same units, taken dynamically

@@ -81,15 +81,13 @@ def epi_buffer_sets_problem(sets: int, schedule: Optional[str], block_scaled: bo
 #: spec.unit_schedule: how a CTA (cluster) takes its output-tile units. DEFAULT (0) is resolved by
 #: the backend (finalize_spec); DYNAMIC: the first unit is the block's (cluster's) index, the
 #: next ones come from an atomic counter (a cluster's leader takes them and hands them to its
-#: peers); STATIC: units b, b + grid, b + 2 * grid, ... with no counter and no hand-off;
-#: BALANCED: STATIC on a launch whose expert counts are balanced (the largest minus the
-#: smallest nonzero count at most BALANCED_SPREAD of one CTA's share of the work), else
-#: DYNAMIC, decided by the kernel from the counts (no host sync); HYBRID: as BALANCED, but an
-#: unbalanced launch takes a static head and a dynamic tail (the shortest experts' units, at
-#: least grid x the longest expert's tokens of work, from the counter).
-UNIT_SCHEDULES = {0: "default", 1: "dynamic", 2: "static", 3: "balanced", 4: "hybrid"}
-SCHEDULE_DEFAULT, SCHEDULE_DYNAMIC, SCHEDULE_STATIC, SCHEDULE_BALANCED = 0, 1, 2, 3
-SCHEDULE_HYBRID = 4
+#: peers); BALANCED: a static order (units b, b + grid, b + 2 * grid, ... with no counter and
+#: no hand-off) on a launch whose expert counts are balanced (the largest minus the smallest
+#: nonzero count at most BALANCED_SPREAD of one CTA's share of the work), else DYNAMIC,
+#: decided by the kernel from the counts (no host sync). The static order runs only as that
+#: half of BALANCED; 2 and 4 are not schedules.
+UNIT_SCHEDULES = {0: "default", 1: "dynamic", 3: "balanced"}
+SCHEDULE_DEFAULT, SCHEDULE_DYNAMIC, SCHEDULE_BALANCED = 0, 1, 3
 #: BALANCED's bound: units are handed out longest expert first, so a static order leaves any
 #: two CTAs' work within one unit's length of each other (the largest count minus the
 #: smallest): static when that is at most 1/BALANCED_SPREAD of a CTA's share.
@@ -99,10 +97,10 @@ BALANCED_SPREAD = 50
 def unit_schedule_problem(unit_schedule: int, block_scaled: bool,
                           arch: str = "sm_90a") -> Optional[Tuple[str, str]]:
     """(argument, detail) unless ``unit_schedule`` runs: DEFAULT and DYNAMIC everywhere;
-    STATIC, BALANCED and HYBRID in the SM90 BF16 kernel."""
+    BALANCED in the SM90 BF16 kernel."""
     if unit_schedule not in UNIT_SCHEDULES:
-        return "unit_schedule", ("expected 0 (the backend's default), 1 (dynamic), 2 (static), "
-                                 f"3 (balanced) or 4 (hybrid), got {unit_schedule}")
+        return "unit_schedule", ("expected 0 (the backend's default), 1 (dynamic) or 3 "
+                                 f"(balanced), got {unit_schedule!r}")
     if unit_schedule in (SCHEDULE_DEFAULT, SCHEDULE_DYNAMIC):
         return None
     name = UNIT_SCHEDULES[unit_schedule]

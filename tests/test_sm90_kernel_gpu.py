@@ -42,13 +42,6 @@ class TestSm90PairSharingB(KernelChecks):
     TILINGS = [((128, 256), (2, 1)), ((128, 128), (2, 1))]
 
 
-class TestSm90Quad(KernelChecks):
-    """2x2 clusters: each CTA multicasts A to its row peer and B to its column peer (unit
-    tile 256 x 256 for 128x128 CTAs, or 128 x 256 for 64x128 ones)."""
-    ARCH = "sm_90a"
-    TILINGS = [((128, 128), (2, 2)), ((64, 128), (2, 2))]
-
-
 # A set of epilogue staging buffers per pingpong consumer group (spec.epi_buffer_sets=2): the
 # groups' epilogues overlap instead of taking one set in turn. Many short experts, so each CTA
 # runs many units and both groups cycle through their buffers many times.

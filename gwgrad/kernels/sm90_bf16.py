@@ -26,14 +26,14 @@ the epilogue's TMA store groups; clusters add the leader's unit mailbox (cluster
 Epilogue: stmatrix into (64|128) x epi_tile_n sub-tiles, each TMA-stored (or reduce-added when
 accumulating) as soon as it is staged (GroupedWgradKernel.store_subtile, shared with SM100).
 
-Clusters (BF16): (1, 2) shares A, (2, 1) B, (2, 2) both, by TMA multicast; a unit is the
+Clusters (BF16): a CTA pair, (1, 2) sharing A or (2, 1) B by TMA multicast; a unit is the
 cluster's tile, the leader takes units and hands them to its peers, and a CTA whose part lies
 past the output computes it (the cluster stays in step) and stores nothing. Unit schedules
 (tiling.UNIT_SCHEDULES): dynamic (atomic counter) and balanced (a static order on balanced
 counts, else dynamic, decided in the kernel per launch).
 
 Verified on an H200: tests/test_sm90_kernel_gpu.py (TestSm90, TestSm90TwoLaunches,
-TestSm90PairSharingA / B, TestSm90Quad: every mode per cluster shape; test_pingpong_ and
+TestSm90PairSharingA / B: every mode per cluster shape; test_pingpong_ and
 test_cooperative_epilogue_buffer_set_per_group, test_single_launch_*,
 test_balanced_schedule, test_zero_fill_*),
 tests/test_status_gpu.py (invalid offsets write nothing), tests/test_api_gpu.py and the
@@ -359,7 +359,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         class SharedStorage:
             ab_mbar: cute.struct.MemRange[Int64, self.ab_stage * 2]
             sched_mbar: cute.struct.MemRange[Int64, SCHED_STAGES * 2]
-            sched_slots: cute.struct.MemRange[Int32, SCHED_STAGES * 4]
+            sched_slots: cute.struct.MemRange[Int32, SCHED_STAGES * 4]  # 16 B: 3 words used
             # The zero fill's source line (in the padding before sA's 1024-byte alignment).
             zero_line: cute.struct.Align[cute.struct.MemRange[Int32, ZERO_LINE // 4], 128]
             sA: cute.struct.Align[
@@ -460,10 +460,10 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             # One arrive per consumer warp that reads a stage, in every CTA whose producer
-            # writes into it (the cluster's multicast partners).
+            # writes into it: the CTA itself, and its pair peer (the shared operand's other
+            # slice, multicast).
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread,
-                (4 if self.pingpong else 8) * (self.num_mcast_a + self.num_mcast_b - 1),
+                pipeline.Agent.Thread, (4 if self.pingpong else 8) * self.cluster_size,
             ),
             tx_count=self.tma_bytes,
             cta_layout_vmnk=self.cluster_layout_vmnk(),
@@ -577,11 +577,12 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         a_mask, b_mask = None, None
         a_part, b_part = (0, cute.make_layout(1)), (0, cute.make_layout(1))
         if cutlass.const_expr(self.cluster_size > 1):
+            # A pair multicasts one operand: A along N (1x2), B along M (2x1).
             layout = self.cluster_layout_vmnk()
             if cutlass.const_expr(self.num_mcast_a > 1):
                 a_mask = cpasync.create_tma_multicast_mask(layout, coord, mcast_mode=2)
                 a_part = (coord[2], cute.make_layout(self.num_mcast_a))
-            if cutlass.const_expr(self.num_mcast_b > 1):
+            elif cutlass.const_expr(self.num_mcast_b > 1):
                 b_mask = cpasync.create_tma_multicast_mask(layout, coord, mcast_mode=1)
                 b_part = (coord[1], cute.make_layout(self.num_mcast_b))
         # Units are decoded one ahead: the next unit's counter atomic, its workspace reads and

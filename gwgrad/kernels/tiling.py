@@ -30,7 +30,7 @@ SM90_FP8_TILES = {
 }
 #: SM90 BF16 clusters: a CTA pair along N shares A (1, 2) or along M shares B (2, 1), loaded
 #: once from L2 by TMA multicast. The scaled FP8 kernel runs 1x1 clusters.
-SM90_CLUSTERS = ((1, 1), (1, 2), (2, 1), (2, 2))
+SM90_CLUSTERS = ((1, 1), (1, 2), (2, 1))
 SM90_FP8_CLUSTERS = ((1, 1),)
 SM100_CLUSTERS = ((1, 1), (2, 1), (4, 1))
 SM100_BLOCKSCALED_TILES = ((128, 128), (128, 256), (256, 128), (256, 256))

@@ -267,13 +267,12 @@ def test_unit_schedule_one_predicate(arch, schedule, cluster, ok):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "cpu"])
-@pytest.mark.parametrize("schedule", [2, 4], ids=["static", "hybrid"])
+@pytest.mark.parametrize("schedule", [2, 4])
 def test_unit_schedules_without_a_kernel_are_rejected(arch, schedule):
     """A spec carries only the dynamic (1) and balanced (3) schedules (0: the backend's
-    default). The static order runs only as the balanced schedule's half, the hybrid schedule
-    not at all: 2 and 4 are a ValueError naming unit_schedule, from the predicate, from
-    finalize_spec (GPU backends and the CPU reference) and from the SM90 kernel's
-    can_implement."""
+    default); the static order runs only as the balanced schedule's half. 2 and 4 are a
+    ValueError naming unit_schedule, from the predicate, from finalize_spec (GPU backends and
+    the CPU reference) and from the SM90 kernel's can_implement."""
     from gwgrad.backends import finalize_spec
 
     detail = (f"expected 0 (the backend's default), 1 (dynamic) or 3 (balanced), "

@@ -434,8 +434,7 @@ def build_methods(inp: RowInputs, configs: List, row: Dict,
         row["gwgrad_tuning"] = {"cluster_shape_mn": list(spec.cluster_shape_mn),
                                 "raster_group": spec.raster_group, "epi_tile_n": spec.epi_tile_n,
                                 "epi_buffer_sets": spec.epi_buffer_sets,
-                                "launches": spec.launches, "split_tokens": spec.split_tokens,
-                                "unit_schedule": spec.unit_schedule}
+                                "launches": spec.launches, "unit_schedule": spec.unit_schedule}
         fns["gwgrad_{}x{}".format(*default.tile)] = default
     except Exception as exc:  # noqa: BLE001
         meth["gwgrad"] = {"error": _error(exc)}
@@ -783,12 +782,10 @@ def plot(rows: List[Dict], path: str) -> Optional[str]:
 
 #: StaticSpec fields a --tiles entry may set (``MxN:field=value``; ``cluster=MxN`` sets
 #: cluster_shape_mn; ``launches=2``: the prep kernel then the GEMM, against the default single
-#: launch; ``split_tokens=4096``: the K split of experts longer than 4096 tokens;
-#: ``unit_schedule=2``: units handed out statically, no counter and no cluster hand-off; 3:
-#: static when the counts are balanced; 4: that, or a static head and a dynamic tail; 1: the
-#: dynamic counter).
+#: launch; ``unit_schedule=3``: units handed out statically (no counter, no cluster hand-off)
+#: when the counts are balanced, else dynamically; 1: the dynamic counter).
 TUNING_FIELDS = ("raster_group", "epi_tile_n", "epi_buffer_sets", "cluster", "launches",
-                 "split_tokens", "unit_schedule")
+                 "unit_schedule")
 
 
 def parse_tile(s: str) -> Tuple:

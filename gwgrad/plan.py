@@ -139,8 +139,7 @@ WORKSPACE_ZEROED_BYTES = 16
 #: The workspace layout of kernels/common.py (ProblemConfig), restated without the DSL: a
 #: block of counters, then per expert int32 words (token range: 2, rank order: 1, the scale
 #: recipes' first scale column / row: 1), padded to a descriptor, then per expert one 128-byte
-#: TMA descriptor for A, B, the discrete output, SFA and SFB. (The K split's and the hybrid
-#: schedule's tables, tuning that no public entry point selects, are not counted.)
+#: TMA descriptor for A, B, the discrete output, SFA and SFB.
 _COUNTER_BYTES = 128
 _DESC_BYTES = 128
 _WORDS_PER_EXPERT = 4

@@ -57,18 +57,11 @@ class StaticSpec:
     # first 16 bytes are zero before its first use, which gwgrad's own workspaces are). Not
     # tuning: JAX's custom call asks for 2 (XLA's workspace is not zeroed).
     launches: int = 0
-    # The K split (tuning; SM90 BF16 with 1x1 clusters; 0: off): an expert of more than this
-    # many tokens (a multiple of 64) runs as chunks of it, at most 8 (longer chunks where 8
-    # would not cover it), each chunk's units adding into the output tiles after the chunk
-    # before it: a fixed order, so results are the same run to run. With a 16-bit output each
-    # chunk's partial sum is rounded to it before the add.
-    split_tokens: int = 0
     # How CTAs (clusters) take their units (tuning; kernels/tiling.py UNIT_SCHEDULES): 0, the
-    # backend's default; 1 dynamic (an atomic counter); 2 static (CTA b takes units b,
-    # b + grid, ... with no counter and, on a cluster, no hand-off from its leader); 3
-    # balanced (static on a launch whose expert counts are balanced, else dynamic, decided in
-    # the kernel); 4 hybrid (as 3, but an unbalanced launch takes a static head of units and
-    # a dynamic tail). 2-4: SM90 BF16 without the K split.
+    # backend's default; 1 dynamic (an atomic counter); 3 balanced (SM90 BF16: a static order,
+    # CTA b taking units b, b + grid, ... with no counter and, on a cluster, no hand-off from
+    # its leader, on a launch whose expert counts are balanced, else dynamic, decided in the
+    # kernel).
     unit_schedule: int = 0
 
     @property

@@ -207,8 +207,8 @@ class KernelChecks:
 
     @pytest.mark.parametrize("which", [0, 1], ids=["big_tile", "small_tile"])
     def test_one_cta_tile_per_output(self, which):
-        # The whole output within one CTA tile: with a CTA pair (or quad), the peers' parts
-        # lie past the output and must store nothing. Accumulating into FP32 shows a tile
+        # The whole output within one CTA tile: with a CTA pair, the peer's part
+        # lies past the output and must store nothing. Accumulating into FP32 shows a tile
         # stored twice (it would be added twice); the plain store is NaN-poisoned.
         tiling = self.TILINGS[which]
         (tm, tn) = tiling[0] or (128, 128)  # the CTA's tile (a unit is the cluster's)

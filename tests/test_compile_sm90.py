@@ -78,6 +78,8 @@ def test_every_tile_compiles(tile):
     ((256, 256), (1, 1), "mma_tiler_mn"),  # 256 accumulator registers per thread
     ((128, 256), (2, 4), "cluster_shape_mn"),
     ((128, 128), (4, 1), "cluster_shape_mn"),
+    ((128, 128), (2, 2), "cluster_shape_mn"),  # SM90 clusters are CTA pairs
+    ((64, 128), (2, 2), "cluster_shape_mn"),
 ])
 def test_unsupported_tiling_is_a_value_error(tile, cluster, match):
     from gwgrad.backends import finalize_spec
@@ -179,7 +181,6 @@ def test_cooperative_epilogue_buffer_set_per_group(case):
 
 @pytest.mark.parametrize("arch,tile,cluster,sets,extra", [
     ("sm_90a", (256, 128), (2, 1), 2, {}),  # 256-row cooperative CTA tile: rows interleave
-    ("sm_90a", (128, 256), (1, 1), 2, dict(split_tokens=256)),  # turn flags: one store warp
     ("sm_90a", (128, 128), (1, 1), 3, {}),
     ("sm_100a", (128, 128), (1, 1), 2, {}),
 ])
@@ -199,14 +200,10 @@ def test_epilogue_buffer_sets_rejected(arch, tile, cluster, sets, extra):
     ((128, 128), (2, 1), dict(out="float32", acc=True)),
     ((128, 256), (1, 2), dict(mode="discrete", order="tensor_ragged", a_major="k")),
     ((64, 128), (2, 1), dict(out="float16", b_major="k", mode="discrete", acc=True)),
-    ((128, 128), (2, 2), {}),
-    ((128, 128), (2, 2), dict(out="float32", acc=True, mode="discrete", a_major="k")),
-], ids=["pp-1x2", "pp-2x1-f32-acc", "coop-1x2-discrete-ragged", "pp64-2x1-f16-discrete-acc",
-        "pp-2x2", "pp-2x2-f32-acc-discrete"])
+], ids=["pp-1x2", "pp-2x1-f32-acc", "coop-1x2-discrete-ragged", "pp64-2x1-f16-discrete-acc"])
 def test_cluster_pairs_compile(tile, cluster, kw):
-    """A 1x2 (2x1) CTA pair multicasts A (B), a 2x2 quad both: the unit tile is the
-    cluster's, each CTA computes its part (tests/test_sm90_kernel_gpu.py has the GPU
-    tests)."""
+    """A 1x2 (2x1) CTA pair multicasts A (B): the unit tile is the cluster's, each CTA
+    computes its part (tests/test_sm90_kernel_gpu.py has the GPU tests)."""
     from gwgrad.backends import finalize_spec
 
     s = spec("sm_90a", tile=tile, cluster=cluster, **kw)
@@ -234,71 +231,28 @@ def test_launches_per_call_compile(launches, mode, cluster):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("tile,kw", [
-    ((128, 128), {}),
-    ((128, 256), {}),
-    ((128, 128), dict(out="float32", acc=True)),
-    ((128, 128), dict(mode="discrete", order="tensor_ragged", a_major="k", b_major="k")),
-], ids=["pp", "coop", "pp-f32-acc", "pp-discrete-ragged"])
-def test_k_split_compiles(tile, kw):
-    """spec.split_tokens (the K split): a later chunk of a tile waits with acquire loads of the
-    tile's flag and fences the async proxy before its TMA adds; after a split expert's tile the
-    store warp waits for its bulk groups to complete (wait_group 0, not .read), fences, meets
-    at a warp barrier, and one lane counts the chunk with a release exchange. Without
-    accumulation the kernel has both the TMA store (chunk 0) and the reduce-add."""
-    from kernel_compile import replace
-
-    ptx = compile_ptx(replace(spec("sm_90a", tile=tile, cluster=(1, 1), **kw), split_tokens=512))
-    assert re.search(r"ld\.acquire\.gpu\.global\.b32[\s\S]{0,400}?fence\.proxy\.async\.global;"
-                     r"[\s\S]{0,800}?cp\.reduce\.async\.bulk\.tensor", ptx)
-    assert re.search(r"cp\.async\.bulk\.wait_group\s+0;\s*fence\.proxy\.async\.global;\s*"
-                     r"bar\.warp\.sync\s+-1;[\s\S]{0,200}?atom\.global\.release\.exch\.b32", ptx)
-    assert "cp.reduce.async.bulk.tensor" in ptx
-    stores = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)
-    assert bool(stores) == (not kw.get("acc", False))
-
-
-@pytest.mark.compile
-def test_no_k_split_no_flags():
-    """Without the K split (the default) the GEMM has none of the split's flag traffic."""
-    ptx = compile_ptx(spec("sm_90a", tile=(128, 128), cluster=(1, 1)))
-    assert "atom.global.release.exch" not in ptx and "cp.async.bulk.wait_group \t0;" not in ptx
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("cluster", [(1, 1), (1, 2), (2, 2)], ids=lambda c: f"{c[0]}x{c[1]}")
+@pytest.mark.parametrize("cluster", [(1, 1), (1, 2)], ids=lambda c: f"{c[0]}x{c[1]}")
 def test_unit_schedule_compile(cluster):
-    """spec.unit_schedule: static (2) takes every grid-th unit, so the kernel has one atomic
-    add fewer than the dynamic one (1; its unit counter: the prep work keeps its own) and, on
-    a cluster, no hand-off from the leader (no st.async into the peers' mailboxes) while the
-    operand loads stay multicast. Balanced (3) keeps the dynamic path (the counter's atomic,
-    the hand-off) beside the static one, and its prep work reduces the counts' max, min and
-    sum (three more warp reductions than the dynamic kernel's). Hybrid (4) keeps the dynamic
-    path too, and adds two more sums: each rank's tail of tokens (prep work) and the ranks
-    whose tail is long enough (the producer's static head)."""
+    """spec.unit_schedule: balanced (3) keeps the dynamic path (1: the counter's atomic and,
+    on a cluster, the leader's hand-off by st.async into the peers' mailboxes, the operand
+    loads multicast) beside its static order, and its prep work reduces the counts' max, min
+    and sum (three more warp reductions than the dynamic kernel's)."""
     from kernel_compile import replace
 
     base = spec("sm_90a", tile=(128, 128), cluster=cluster)
     dynamic = compile_ptx(replace(base, unit_schedule=1))
-    static = compile_ptx(replace(base, unit_schedule=2))
     balanced = compile_ptx(replace(base, unit_schedule=3))
-    hybrid = compile_ptx(replace(base, unit_schedule=4))
     add = "redux.sync.add.s32"
-    assert hybrid.count(add) == balanced.count(add) + 2 == dynamic.count(add) + 3
-    assert hybrid.count("atom.global.add") == dynamic.count("atom.global.add")
-    if cluster != (1, 1):
-        assert "st.async" in hybrid and ".multicast::cluster" in hybrid
-    for ptx in (static, balanced, hybrid):
-        check_offsets_check_ptx(ptx)
-        assert "wgmma.mma_async.sync.aligned" in ptx
-    assert static.count("atom.global.add") == dynamic.count("atom.global.add") - 1
+    assert balanced.count(add) == dynamic.count(add) + 1
+    check_offsets_check_ptx(balanced)
+    assert "wgmma.mma_async.sync.aligned" in balanced
     assert balanced.count("atom.global.add") == dynamic.count("atom.global.add")
     for kind in ("max", "min"):
         op = f"redux.sync.{kind}.s32"
         assert balanced.count(op) > dynamic.count(op), (kind, balanced.count(op))
     if cluster != (1, 1):
-        assert "st.async" in dynamic and "st.async" not in static and "st.async" in balanced
-        assert ".multicast::cluster" in static and ".multicast::cluster" in balanced
+        assert "st.async" in dynamic and "st.async" in balanced
+        assert ".multicast::cluster" in balanced
 
 
 @pytest.mark.compile
@@ -311,7 +265,7 @@ def test_default_unit_schedule_is_resolved():
 
     base = spec("sm_90a", tile=(128, 128), cluster=(1, 1))
     final = finalize_spec(replace(base, unit_schedule=0))[0]
-    assert final.unit_schedule in (1, 2, 3)
+    assert final.unit_schedule in (1, 3)
     assert compile_ptx(replace(base, unit_schedule=0)) == compile_ptx(
         replace(base, unit_schedule=final.unit_schedule))
 

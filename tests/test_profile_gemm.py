@@ -105,8 +105,8 @@ def test_variant_methods_on_the_reference_backend():
     inp = RowInputs(shape, "zipf", 8, device="cpu")
     out = inp.outs["gwgrad"]
     methods = load().variant_methods(
-        inp, "128x128:cluster=1x2:unit_schedule=2, 64x128,", out, False)
-    assert list(methods) == ["gwgrad_128x128:cluster=1x2:unit_schedule=2", "gwgrad_64x128"]
+        inp, "128x128:cluster=1x2:unit_schedule=3, 64x128,", out, False)
+    assert list(methods) == ["gwgrad_128x128:cluster=1x2:unit_schedule=3", "gwgrad_64x128"]
     for fn in methods.values():
         out.fill_(float("nan"))
         fn()

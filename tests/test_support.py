@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 
 import pytest
 
 from gwgrad.kernels.tiling import (PROBLEMS, SM90_TILES, epi_buffer_sets_problem,
-                                   split_tokens_problem, unit_schedule_problem)
+                                   unit_schedule_problem)
 
 TILES = list(itertools.product((64, 128, 256), (64, 96, 128, 160, 192, 224, 256)))
 CLUSTERS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
@@ -50,7 +51,7 @@ def test_check_support_agrees_with_compile(arch, tile, cluster):
 
 
 @pytest.mark.parametrize("tile,cluster", [((100, 100), (1, 1)), ((128, 128), (3, 1)),
-                                          ((512, 128), (1, 1))])
+                                          ((512, 128), (1, 1)), ((128, 128), (2, 2))])
 def test_the_cpu_reference_rejects_what_no_gpu_kernel_runs(tile, cluster):
     import numpy as np
 
@@ -237,61 +238,62 @@ def test_launches_per_call():
             finalize_spec(dataclasses.replace(request, launches=launches))
 
 
-@pytest.mark.parametrize("arch,split,cluster,ok", [
-    ("sm_90a", 512, (1, 1), True), ("sm_90a", 0, (1, 2), True), ("cpu", 4096, (1, 1), True),
-    ("sm_90a", 100, (1, 1), False), ("sm_90a", -64, (1, 1), False),
-    ("sm_90a", 512, (1, 2), False), ("sm_100a", 512, (1, 1), False), ("cpu", 96, (1, 1), False),
+@pytest.mark.parametrize("arch,schedule,cluster,ok", [
+    ("sm_90a", 3, (2, 1), True), ("cpu", 3, (1, 2), True),
+    ("cpu", 3, (1, 1), True), ("sm_90a", 1, (1, 1), True), ("sm_90a", 0, (1, 1), True),
+    ("sm_90a", 5, (1, 1), False),
+    ("sm_90a", -1, (1, 1), False),
+    ("sm_100a", 3, (1, 1), False), ("sm_100a", 1, (1, 1), True),
 ])
-def test_split_tokens_one_predicate(arch, split, cluster, ok):
-    """spec.split_tokens (the K split): tiling.split_tokens_problem decides for the SM90 and
-    SM100 kernels and the CPU reference alike; what it refuses is a ValueError naming
-    split_tokens (the compile test of what it accepts: tests/test_compile_sm90.py)."""
-    import dataclasses
-
-    from gwgrad.backends import finalize_spec
-
-    assert (split_tokens_problem(split, cluster, False, arch) is None) == ok
-    assert split_tokens_problem(512, (1, 1), True, "sm_90a") is not None  # block-scaled
-    if arch != "cpu":
-        pytest.importorskip("cutlass")
-    request = dataclasses.replace(_spec(arch, (128, 128), cluster), split_tokens=split)
-    if ok:
-        assert finalize_spec(request)[0].split_tokens == split
-    else:
-        with pytest.raises(ValueError, match=r"^split_tokens: expected"):
-            finalize_spec(request)
-
-
-@pytest.mark.parametrize("arch,schedule,split,cluster,ok", [
-    ("sm_90a", 2, 0, (1, 1), True), ("sm_90a", 3, 0, (2, 2), True), ("cpu", 2, 0, (1, 2), True),
-    ("cpu", 3, 0, (1, 1), True), ("sm_90a", 1, 512, (1, 1), True),
-    ("sm_90a", 0, 512, (1, 1), True), ("sm_90a", 2, 512, (1, 1), False),
-    ("cpu", 3, 512, (1, 1), False), ("sm_90a", 5, 0, (1, 1), False),
-    ("sm_90a", 4, 0, (1, 2), True), ("sm_90a", 4, 512, (1, 1), False),
-    ("sm_100a", 4, 0, (1, 1), False),
-    ("sm_90a", -1, 0, (1, 1), False), ("sm_100a", 2, 0, (1, 1), False),
-    ("sm_100a", 3, 0, (1, 1), False), ("sm_100a", 1, 0, (1, 1), True),
-])
-def test_unit_schedule_one_predicate(arch, schedule, split, cluster, ok):
+def test_unit_schedule_one_predicate(arch, schedule, cluster, ok):
     """spec.unit_schedule: tiling.unit_schedule_problem decides for the SM90 and SM100 kernels
-    and the CPU reference alike (0 default and 1 dynamic everywhere; 2 static, 3 balanced and
-    4 hybrid in SM90 BF16 only, never with the K split, whose chunks wait for lower units);
-    what it refuses is a ValueError naming unit_schedule, and finalize_spec resolves 0."""
+    and the CPU reference alike (0 default and 1 dynamic everywhere; 3 balanced in SM90 BF16
+    only); what it refuses is a ValueError naming unit_schedule, and finalize_spec resolves
+    0."""
     from gwgrad.backends import finalize_spec
 
-    assert (unit_schedule_problem(schedule, split, False, arch) is None) == ok
-    assert unit_schedule_problem(2, 0, True, "sm_90a") is not None  # block-scaled
-    assert unit_schedule_problem(1, 0, True, "sm_90a") is None
+    assert (unit_schedule_problem(schedule, False, arch) is None) == ok
+    assert unit_schedule_problem(3, True, "sm_90a") is not None  # block-scaled
+    assert unit_schedule_problem(1, True, "sm_90a") is None
     if arch != "cpu":
         pytest.importorskip("cutlass")
-    request = dataclasses.replace(_spec(arch, (128, 128), cluster), unit_schedule=schedule,
-                                  split_tokens=split)
+    request = dataclasses.replace(_spec(arch, (128, 128), cluster), unit_schedule=schedule)
     if ok:
         final = finalize_spec(request)[0].unit_schedule
-        assert final == schedule if schedule else final in (1, 2, 3, 4)
+        assert final == schedule if schedule else final in (1, 3)
     else:
         with pytest.raises(ValueError, match=r"^unit_schedule: expected"):
             finalize_spec(request)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "cpu"])
+@pytest.mark.parametrize("schedule", [2, 4])
+def test_unit_schedules_without_a_kernel_are_rejected(arch, schedule):
+    """A spec carries only the dynamic (1) and balanced (3) schedules (0: the backend's
+    default); the static order runs only as the balanced schedule's half. 2 and 4 are a
+    ValueError naming unit_schedule, from the predicate, from finalize_spec (GPU backends and
+    the CPU reference) and from the SM90 kernel's can_implement."""
+    from gwgrad.backends import finalize_spec
+
+    detail = (f"expected 0 (the backend's default), 1 (dynamic) or 3 (balanced), "
+              f"got {schedule}")
+    want = "^unit_schedule: " + re.escape(detail) + "$"
+    assert unit_schedule_problem(schedule, False, arch) == ("unit_schedule", detail)
+    if arch != "cpu":
+        pytest.importorskip("cutlass")
+    cluster = (1, 1) if arch == "sm_100a" else (1, 2)
+    request = dataclasses.replace(_spec(arch, (128, 128), cluster), unit_schedule=schedule)
+    with pytest.raises(ValueError, match=want):
+        finalize_spec(request)
+    if arch == "sm_90a":
+        from gwgrad.backends.bf16_sm90 import Bf16Sm90Backend
+        from gwgrad.kernels.sm90_bf16 import Sm90GroupedWgrad
+
+        final = finalize_spec(dataclasses.replace(request, unit_schedule=1))[0]
+        cfg = dataclasses.replace(Bf16Sm90Backend().config(final), unit_schedule=schedule)
+        assert Sm90GroupedWgrad.can_implement(cfg)[0] == "unit_schedule"
+        with pytest.raises(ValueError, match=want):
+            Sm90GroupedWgrad(cfg)
 
 
 @pytest.mark.parametrize("recipe,hidden,intermediate,tile,cluster", [
@@ -383,11 +385,9 @@ def test_sm90_bf16_pairs_only_when_the_tiling_is_left_open():
 
 
 @pytest.mark.parametrize("arch", ["cpu", "sm_90a"])
-@pytest.mark.parametrize("case", ["k_split", "fp8"])
-def test_a_set_per_cooperative_group_is_refused_where_the_kernel_cannot_run_it(arch, case):
-    """epi_buffer_sets=2 on a cooperative tile is refused with the K split (its turn flags
-    count one store warp per tile) and with block-scaled inputs, by the GPU backend and by
-    the CPU reference alike (ValueError naming the argument)."""
+def test_a_set_per_cooperative_group_is_refused_where_the_kernel_cannot_run_it(arch):
+    """epi_buffer_sets=2 on a cooperative tile is refused with block-scaled inputs, by the GPU
+    backend and by the CPU reference alike (ValueError naming the argument)."""
     import dataclasses
 
     if arch != "cpu":
@@ -395,12 +395,8 @@ def test_a_set_per_cooperative_group_is_refused_where_the_kernel_cannot_run_it(a
     from gwgrad.backends import finalize_spec
     from kernel_compile import fp8_spec
 
-    if case == "k_split":
-        request = dataclasses.replace(_spec(arch, (128, 256), (1, 1)), split_tokens=256)
-        want = r"with the K split \(split_tokens=256\)"
-    else:
-        request = fp8_spec(arch, "block_1x128", tile=(128, 128), cluster=(1, 1))
-        want = "with block-scaled inputs on a cooperative tile"
+    request = fp8_spec(arch, "block_1x128", tile=(128, 128), cluster=(1, 1))
+    want = "with block-scaled inputs on a cooperative tile"
     finalize_spec(request)  # one set: accepted
     with pytest.raises(ValueError, match=rf"^epi_buffer_sets: expected 1 {want}.*got 2$"):
         finalize_spec(dataclasses.replace(request, epi_buffer_sets=2))

@@ -16,7 +16,7 @@ and a per-kernel summary (duration, SM / DRAM throughput, tensor-pipe share, SM 
 duration in clock cycles; with GWGRAD_NCU_STALLS=1 also the largest warp stall reasons)
 under $OUT.
 ``--tiles`` adds gwgrad variants (the bench's ``MxN[:field=value...]`` syntax, e.g.
-``128x128:unit_schedule=2,128x128:cluster=1x2``; GWGRAD_NCU_TILES in gpu_run.sh), each through
+``128x128:unit_schedule=3,128x128:cluster=1x2``; GWGRAD_NCU_TILES in gpu_run.sh), each through
 its launch plan, so that ncu can say why one variant is slower than another.
 Without ncu it prints each method's time from CUDA events (a check that the target runs).
 """

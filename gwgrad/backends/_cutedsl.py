@@ -94,7 +94,6 @@ def problem_config(spec: StaticSpec, schedule: str, unit_tile_m: int = 0, unit_t
         sf_vec=spec.sf_vec_size if spec.is_block_scaled else 0,
         has_global_scale=spec.has_global_scale,
         launches=spec.launches or 2,  # 0: a spec that skipped finalize_spec
-        split_tokens=spec.split_tokens,
         unit_schedule=spec.unit_schedule or 1,
     )
 
@@ -183,7 +182,7 @@ def grid_size(cfg: Any, device_id: int) -> int:
     clusters, whole clusters (``cfg``: a kernel config or a CompiledGemm, with ``num_units``
     and the cluster shape)."""
     size = cluster_size(cfg)
-    # Clusters (the SM90 pairs and quads): persistent too, no more clusters than can be
+    # Clusters (the SM90 pairs): persistent too, no more clusters than can be
     # resident at once (their leaders take units from the counter).
     resident = _sm_count(device_id) if size == 1 else _max_active_clusters(device_id, size)
     return whole_clusters(cfg, resident)

@@ -67,10 +67,9 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         # Balanced (static on a launch whose counts are balanced, else dynamic) for CTA pairs,
         # where the static order measures faster on balanced counts. Dynamic for 1x1 CTAs
         # (a static order moves several times the DRAM bytes: CTAs drift apart and stop
-        # sharing operand panels in L2), for quads (static orders untimed there) and for the
-        # short-expert FP32 pairs of tiling_for_tokens (slower static). The hybrid schedule
-        # stays opt-in: its static head moves more DRAM bytes on skewed counts.
-        if (sorted(spec.cluster_shape_mn) != [1, 2] or spec.split_tokens
+        # sharing operand panels in L2) and for the short-expert FP32 pairs of
+        # tiling_for_tokens (slower static).
+        if (sorted(spec.cluster_shape_mn) != [1, 2]
                 or (spec.wgrad_dtype.itemsize == 4 and _output_tiles(spec) < EPI_SPLIT_TILES)):
             return SCHEDULE_DYNAMIC
         return SCHEDULE_BALANCED
@@ -116,10 +115,8 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         if spec.wgrad_dtype.itemsize != 2 or spec.accumulate:
             return 1
         if schedule == "cooperative":
-            # Where the kernel runs two (tiling.epi_buffer_sets_problem: 128-row CTA tiles, no
-            # K split).
-            runs = epi_buffer_sets_problem(2, schedule, spec.split_tokens, False,
-                                           spec.mma_tiler_mn[0]) is None
+            # Where the kernel runs two (tiling.epi_buffer_sets_problem: 128-row CTA tiles).
+            runs = epi_buffer_sets_problem(2, schedule, False, spec.mma_tiler_mn[0]) is None
             return 2 if runs and _output_tiles(spec) <= SHORT_OUTPUT_TILES else 1
         if schedule != "pingpong":
             return 1
@@ -141,8 +138,7 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         return Sm90GroupedWgrad.can_implement(self.config(spec))
 
     def config(self, spec: StaticSpec):
-        # A unit is the cluster's tile (a 1x2 or 2x1 CTA pair shares one operand, a 2x2 quad
-        # both).
+        # A unit is the cluster's tile (a 1x2 or 2x1 CTA pair shares one operand).
         (m, n), (cm, cn) = spec.mma_tiler_mn, spec.cluster_shape_mn
         return _cutedsl.problem_config(spec, sm90_schedule(spec.mma_tiler_mn), m * cm, n * cn)
 

@@ -48,7 +48,7 @@ from ..dtypes import DType
 from ..errors import ArgumentError
 from ..formats import FP4_VALUES as _FP4_VALUES, fp8_table as _fp8_table, unpack_fp4  # noqa: F401
 from ..kernels.tiling import (any_gpu_epi_buffer_sets_problem, any_gpu_tiling_problem,
-                              split_tokens_problem, unit_schedule_problem)
+                              unit_schedule_problem)
 from ..hostview import RAW_NUMPY, host_view, strided_view
 from ..offsets import check_offsets_values, check_ptr_values
 from ..spec import StaticSpec
@@ -106,11 +106,8 @@ class ReferenceBackend(Backend):
         problem = (any_gpu_tiling_problem(spec.mma_tiler_mn, spec.cluster_shape_mn,
                                           spec.is_block_scaled)
                    or any_gpu_epi_buffer_sets_problem(spec.epi_buffer_sets, spec.mma_tiler_mn,
-                                                      spec.is_block_scaled, spec.split_tokens)
-                   or split_tokens_problem(spec.split_tokens, spec.cluster_shape_mn,
-                                           spec.is_block_scaled, "cpu")
-                   or unit_schedule_problem(spec.unit_schedule, spec.split_tokens,
-                                           spec.is_block_scaled, "cpu"))
+                                                      spec.is_block_scaled)
+                   or unit_schedule_problem(spec.unit_schedule, spec.is_block_scaled, "cpu"))
         if problem is not None:
             raise ArgumentError(*problem)
 

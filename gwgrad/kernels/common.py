@@ -7,17 +7,6 @@ so handing units out in increasing order runs the longest tiles first, and tiles
 run side by side and share its A/B K-panels through L2. Inside an expert, units go in bands of
 a few m-tiles, m fastest inside a band (unit_tile_coords).
 
-K split (cfg.split_tokens > 0, SM90 BF16). An expert of more than split_tokens tokens runs as
-chunks of it (at most MAX_SPLIT_CHUNKS; longer chunks where that many would not cover it),
-and a unit is (chunk, m-tile, n-tile): units are numbered over *virtual ranks*, chunk-major
-(every expert's chunk 0 in rank order, then every chunk 1, ...: write_split_ranks), so the
-tiles of one chunk run side by side and share its K-panels through L2, and a tile's chunk
-c - 1 always has a lower unit id than its chunk c. Chunk 0 stores a tile (reduce-adds when
-accumulating); chunk c > 0 reduce-adds once the tile's flag says chunks 0..c-1 are complete
-in global memory, then counts itself: a fixed order of adds, so results are the same run to
-run. A chunk waits only for a lower unit, which a running CTA took before it, so every wait
-ends (the SM90 kernel's epilogue has the protocol).
-
 Per-expert K ranges. The *prep work* (one warp per expert) writes the workspace before any
 unit starts. Either a small prep kernel (grid = E) runs before the GEMM on the same stream
 (``cfg.launches == 2``), or the GEMM's own warps do it (``cfg.launches == 1``: the first warps
@@ -38,21 +27,14 @@ saves the host one cudaLaunchKernelEx per call (docs/PERFORMANCE.md, host overhe
                          units past live * tiles_per_expert belong to empty experts (the SM90
                          kernels hand out only the others, and zero the empty experts' outputs
                          with plain stores from otherwise idle warps).
-    vlive     int32      byte 20 (K split only): the live experts' chunks, virtual ranks 0..vlive-1
     spread    int32      byte 24 (balanced schedule only): the largest count minus the smallest
                          nonzero one (expert 0)
     tokens    int32      byte 28 (balanced schedule only): the sanitized counts' sum (expert 0)
-    most      int32      byte 32 (hybrid schedule only): the largest count (expert 0)
-              (bytes 36..127 of this 128-byte block are unused)
+              (bytes 20 and 32..127 of this 128-byte block are unused: the other words keep
+              their offsets)
     ranges    int32[2E]  sanitized (begin, end) token range of every expert
     order     int32[E]   expert of each rank (longest first)
     sf_base   int32[E]   (block-scaled) first scale column / row of every expert
-    rank_tokens int32[E] (hybrid schedule) per rank: the tokens of that rank and every later
-                         one (non-increasing; the tail's size)
-    vtable    int32[4*E*MAX_SPLIT_CHUNKS] (K split) per virtual rank: expert | chunk << 16 |
-              chunks << 24, first token, end token, first token inside the expert
-    flags     int32[E*tiles_per_expert] (K split) chunks added into each output tile so far
-              (cleared by the prep work at every launch)
     descs     128 B each per expert: TMA descriptors for A and B, and for the output in
               discrete mode
 
@@ -109,21 +91,19 @@ from cutlass.cutlass_dsl import dsl_user_op
 from ..offsets import (COUNT_NOT_MULTIPLE, LAST_NOT_TOKENS_SUM, NEGATIVE_COUNT,
                        OUTPUT_PTR_INVALID, SCALES_TOO_SMALL)
 from ..scales import column_rule
-from .tiling import SCHEDULE_BALANCED, SCHEDULE_HYBRID
+from .tiling import SCHEDULE_BALANCED
 from .types import CUTLASS_TYPES
 
 DESC_BYTES = 128
-COUNTER_BYTES = 128  # the block holding the unit counter, the verdict and the prep hand-off
+# The block of counters (module doc): bytes 0 counter, 4 verdict, 8 and 12 the prep hand-off,
+# 16 live, 24 spread, 28 tokens; 20 and 32..127 unused.
+COUNTER_BYTES = 128
 VERDICT_BYTE = 4
 PREP_NEXT_BYTE = 8  # single launch: the next expert a prep warp takes (0 between launches)
 PREP_DONE_BYTE = 12  # ... experts prepared, then + CTAs past the hand-off (0 between launches)
 LIVE_BYTE = 16  # experts with tokens (ranks 0 .. live-1 of the unit order; the rest are empty)
-VLIVE_BYTE = 20  # K split: the live experts' chunks (virtual ranks 0 .. vlive-1)
 SPREAD_BYTE = 24  # balanced schedule: the largest count minus the smallest nonzero one
 TOKENS_BYTE = 28  # balanced schedule: the tokens of all experts (sanitized counts)
-MOST_BYTE = 32  # hybrid schedule: the largest count
-#: K split: at most this many chunks per expert (the virtual-rank table is static).
-MAX_SPLIT_CHUNKS = 8
 # The status record (see module doc): 8 int32, 16-byte aligned.
 STATUS_INT32 = 8
 (STATUS_CODE, STATUS_EXPERT, STATUS_VALUE, STATUS_PREV, STATUS_TOKENS_SUM,
@@ -179,12 +159,8 @@ class ProblemConfig:
     # work itself before a hand-off (GroupedWgradKernel.prep_in_kernel; SM90 BF16). The
     # single launch needs the workspace's hand-off words zero before its first use.
     launches: int = 2
-    # K split (SM90 BF16; 0: off): an expert of more than split_tokens tokens runs as chunks
-    # (split_chunks), each a unit per output tile; the chunks of a tile add into the output
-    # in chunk order (module doc).
-    split_tokens: int = 0
-    # How the producer takes units (tiling.UNIT_SCHEDULES: 1 dynamic, 2 static, 3 balanced;
-    # 2 and 3 in the SM90 BF16 kernel only, without the K split).
+    # How the producer takes units (tiling.UNIT_SCHEDULES: 1 dynamic, 3 balanced; 3 in the
+    # SM90 BF16 kernel only).
     unit_schedule: int = 1
 
     # -- scales ------------------------------------------------------------------------
@@ -213,12 +189,8 @@ class ProblemConfig:
 
     @property
     def num_units(self) -> int:
-        """Units the unit space can hold: a tile per expert, or per chunk with the K split."""
-        return self.num_experts * self.tiles_per_expert * self.chunks_per_expert
-
-    @property
-    def chunks_per_expert(self) -> int:
-        return MAX_SPLIT_CHUNKS if self.split_tokens else 1
+        """Units the unit space can hold: a tile per expert."""
+        return self.num_experts * self.tiles_per_expert
 
     # -- ragged blocks ------------------------------------------------------------------
     @property
@@ -258,31 +230,13 @@ class ProblemConfig:
 
     @property
     def counts_words(self) -> bool:
-        """The prep work writes the counts' spread / tokens (/ largest) words (balanced and
-        hybrid unit schedules)."""
-        return self.unit_schedule in (SCHEDULE_BALANCED, SCHEDULE_HYBRID)
-
-    @property
-    def rank_tokens_offset(self) -> int:
-        """Hybrid schedule: one int32 per rank, the tokens of that rank and every later one."""
-        return self.sf_base_offset + (4 * self.num_experts if self.sf_rule else 0)
-
-    @property
-    def vtable_offset(self) -> int:
-        """K split: 4 int32 per virtual rank (chunk_entry)."""
-        hybrid = self.unit_schedule == SCHEDULE_HYBRID
-        return self.rank_tokens_offset + (4 * self.num_experts if hybrid else 0)
-
-    @property
-    def flags_offset(self) -> int:
-        """K split: one int32 per output tile, the chunks added into it so far."""
-        return self.vtable_offset + 16 * self.num_experts * self.chunks_per_expert
+        """The prep work writes the counts' spread and tokens words (the balanced unit
+        schedule)."""
+        return self.unit_schedule == SCHEDULE_BALANCED
 
     @property
     def desc_offset(self) -> int:
-        end = self.vtable_offset
-        if self.split_tokens:
-            end = self.flags_offset + 4 * self.num_experts * self.tiles_per_expert
+        end = self.sf_base_offset + (4 * self.num_experts if self.sf_rule else 0)
         return ceil_div(end, DESC_BYTES) * DESC_BYTES
 
     @property
@@ -396,34 +350,12 @@ class Workspace:
         self.sf_base = cute.make_tensor(
             cute.recast_ptr(base + cfg.sf_base_offset, dtype=Int32), cute.make_layout(e)
         )
-        # K split: the chunks of the live experts, the virtual-rank table, the tile flags.
-        self.vlive = cute.make_tensor(
-            cute.recast_ptr(base + VLIVE_BYTE, dtype=Int32), cute.make_layout(1)
-        )
         self.spread = cute.make_tensor(
             cute.recast_ptr(base + SPREAD_BYTE, dtype=Int32), cute.make_layout(1)
         )
         self.tokens = cute.make_tensor(
             cute.recast_ptr(base + TOKENS_BYTE, dtype=Int32), cute.make_layout(1)
         )
-        self.most = cute.make_tensor(
-            cute.recast_ptr(base + MOST_BYTE, dtype=Int32), cute.make_layout(1)
-        )
-        self.rank_tokens = cute.make_tensor(
-            cute.recast_ptr(base + cfg.rank_tokens_offset, dtype=Int32), cute.make_layout(e)
-        )
-        self.vtable = cute.make_tensor(
-            cute.recast_ptr(base + cfg.vtable_offset, dtype=Int32),
-            cute.make_layout(4 * e * cfg.chunks_per_expert),
-        )
-        self.flags = cute.make_tensor(
-            cute.recast_ptr(base + cfg.flags_offset, dtype=Int32),
-            cute.make_layout(e * cfg.tiles_per_expert),
-        )
-
-    def flag_ptr(self, expert: Int32, local: Int32) -> cute.Pointer:
-        """K split: the flag of an expert's local-th output tile."""
-        return self.flags.iterator + (expert * self.cfg.tiles_per_expert + local)
 
     # Kernels carry a Workspace through dynamic loops: it is rebuilt from its base pointer.
     def __extract_mlir_values__(self):
@@ -506,8 +438,7 @@ def write_ranges_and_order(
     ahead = Int32(0)
     nonempty = Int32(0)
     columns_before = Int32(0)
-    most, least, total = Int32(0), Int32(0x7FFFFFFF), Int32(0)  # balanced / hybrid only
-    behind = Int32(0)  # hybrid only: the tokens of the experts ranked after this one
+    most, least, total = Int32(0), Int32(0x7FFFFFFF), Int32(0)  # balanced only
     for j in range(lane, cfg.num_experts, 32):
         bj, ej = sanitized_range(offsets, j, tokens_sum, cfg.count_multiple)
         cj = ej - bj
@@ -519,14 +450,10 @@ def write_ranges_and_order(
             total += cj
         is_ahead = Int32(cj > count) | (Int32(cj == count) & Int32(j < expert))
         ahead += is_ahead
-        if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_HYBRID):
-            behind += (Int32(1) - is_ahead) * Int32(j != expert) * cj
         if cutlass.const_expr(cfg.sf_rule is not None):
             columns_before += Int32(j < expert) * scale_columns(cfg, cj)
     rank = cute.arch.warp_redux_sync(ahead, "add")
     live = cute.arch.warp_redux_sync(nonempty, "add")
-    if cutlass.const_expr(cfg.split_tokens > 0):
-        write_split_ranks(cfg, offsets, tokens_sum, ws, expert, begin, count, lane)
     ranges, order, counter = ws.ranges, ws.order, ws.counter
     if cutlass.const_expr(cfg.sf_rule is not None):
         columns_before = cute.arch.warp_redux_sync(columns_before, "add")
@@ -548,75 +475,7 @@ def write_ranges_and_order(
         if lane == 0 and expert == 0:
             ws.spread[0] = cutlass.max(most - least, Int32(0))
             ws.tokens[0] = total
-            if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_HYBRID):
-                ws.most[0] = most
-    if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_HYBRID):
-        # The tail's size by rank (Sm90GroupedWgrad.static_head).
-        behind = cute.arch.warp_redux_sync(behind, "add")
-        if lane == 0:
-            ws.rank_tokens[rank] = behind + count
     return begin, end, columns_before
-
-
-@cute.jit
-def split_length(cfg: cutlass.Constexpr, count: Int32) -> Int32:
-    """K split: tokens per chunk of an expert of `count` tokens: split_tokens, or more (a
-    multiple of tile_k) where MAX_SPLIT_CHUNKS chunks of it would not cover the expert."""
-    per_chunk = (count + (MAX_SPLIT_CHUNKS - 1)) // MAX_SPLIT_CHUNKS
-    per_chunk = (per_chunk + (cfg.tile_k - 1)) // cfg.tile_k * cfg.tile_k
-    return cutlass.max(per_chunk, cfg.split_tokens)
-
-
-@cute.jit
-def split_chunks(cfg: cutlass.Constexpr, count: Int32) -> Int32:
-    """K split: chunks of an expert of `count` (>= 0) tokens (0 for an empty expert)."""
-    length = split_length(cfg, count)
-    return (count + (length - 1)) // length
-
-
-@cute.jit
-def write_split_ranks(cfg: cutlass.Constexpr, offsets: cute.Tensor, tokens_sum: Int32, ws,
-                      expert: Int32, begin: Int32, count: Int32, lane: Int32):
-    """K split: the virtual-rank table entries of one expert's chunks, by its prep warp.
-
-    Virtual ranks run chunk-major: every expert's chunk 0 (longest expert first, as the
-    ranks), then every chunk 1, ... The rank of chunk c of expert e is the number of chunks
-    of index < c (sum over experts of min(c, chunks)) plus the experts ahead of e that have a
-    chunk c. So a tile's chunk c - 1 always has a lower unit id than its chunk c, which is
-    what makes the in-order adds deadlock-free (see the SM90 kernel's epilogue). Entry (4
-    int32): expert | chunk << 16 | chunks << 24, first token, end token, first token - the
-    expert's (ragged blocks' local coordinate). The prep warp also clears the expert's tile
-    flags for this launch."""
-    length = split_length(cfg, count)
-    chunks = split_chunks(cfg, count)
-    firsts = []
-    for c in cutlass.range_constexpr(cfg.chunks_per_expert):
-        ranked = Int32(0)  # chunks of index < c, and experts ahead of e with a chunk c
-        for j in range(lane, cfg.num_experts, 32):
-            bj, ej = sanitized_range(offsets, j, tokens_sum, cfg.count_multiple)
-            cj = ej - bj
-            chunks_j = split_chunks(cfg, cj)
-            is_ahead = Int32(cj > count) | (Int32(cj == count) & Int32(j < expert))
-            ranked += cutlass.min(chunks_j, c) + is_ahead * Int32(chunks_j > c)
-        firsts.append(cute.arch.warp_redux_sync(ranked, "add"))
-    total = Int32(0)
-    for j in range(lane, cfg.num_experts, 32):
-        bj, ej = sanitized_range(offsets, j, tokens_sum, cfg.count_multiple)
-        total += split_chunks(cfg, ej - bj)
-    total = cute.arch.warp_redux_sync(total, "add")
-    for t in range(lane, cfg.tiles_per_expert, 32):
-        ws.flags[expert * cfg.tiles_per_expert + t] = Int32(0)
-    if lane == 0:
-        for c in cutlass.range_constexpr(cfg.chunks_per_expert):
-            if c < chunks:
-                v = firsts[c]
-                first = c * length
-                ws.vtable[4 * v] = expert | (c << 16) | (chunks << 24)
-                ws.vtable[4 * v + 1] = begin + first
-                ws.vtable[4 * v + 2] = begin + cutlass.min(first + length, count)
-                ws.vtable[4 * v + 3] = first
-        if expert == 0:
-            ws.vlive[0] = total
 
 
 @cute.jit
@@ -775,23 +634,12 @@ def store_shared_zeros_16b(saddr: Int32, *, loc=None, ip=None) -> None:
 
 @cute.jit
 def decode_unit(cfg: cutlass.Constexpr, unit: Int32, ws: Workspace):
-    """unit -> (expert, tile_m, tile_n, begin, k_tiles); with the K split, of the unit's
-    chunk (its first token and its K tiles)."""
+    """unit -> (expert, tile_m, tile_n, begin, k_tiles)."""
     rank = unit // cfg.tiles_per_expert
     local = unit - rank * cfg.tiles_per_expert
-    expert = Int32(0)
-    begin = Int32(0)
-    end = Int32(0)
-    if cutlass.const_expr(cfg.split_tokens > 0):
-        # Entries past the live chunks are stale (the producer decodes one unit ahead and
-        # acquires that expert's descriptors): keep the expert inside the workspace's slots.
-        expert = cutlass.min(ws.vtable[4 * rank] & 0xFFFF, cfg.num_experts - 1)
-        begin = ws.vtable[4 * rank + 1]
-        end = ws.vtable[4 * rank + 2]
-    else:
-        expert = ws.order[rank]
-        begin = ws.ranges[2 * expert]
-        end = ws.ranges[2 * expert + 1]
+    expert = ws.order[rank]
+    begin = ws.ranges[2 * expert]
+    end = ws.ranges[2 * expert + 1]
     k_tiles = (end - begin + (cfg.tile_k - 1)) // cfg.tile_k
     tile_m, tile_n = unit_tile_coords(cfg, local)
     return expert, tile_m, tile_n, begin, k_tiles
@@ -821,20 +669,12 @@ def unit_tile_coords(cfg: cutlass.Constexpr, local: Int32):
     return tile_m, tile_n
 
 
-def token_origin(begin, ragged_block: bool, local=None):
+def token_origin(begin, ragged_block: bool):
     """First token coordinate of an expert's loads: global (`begin`) for tensor2d views, 0 for
-    a ragged K-contiguous block, whose descriptor starts at the expert's own base (`local`,
-    the chunk's first token inside its expert, with the K split)."""
+    a ragged K-contiguous block, whose descriptor starts at the expert's own base."""
     if ragged_block:
-        return Int32(0) if local is None else local
+        return Int32(0)
     return begin
-
-
-@cute.jit
-def unit_chunk(cfg: cutlass.Constexpr, unit: Int32, ws: Workspace):
-    """K split: (first token of the unit's chunk inside its expert, chunk | chunks << 8)."""
-    rank = unit // cfg.tiles_per_expert
-    return ws.vtable[4 * rank + 3], ws.vtable[4 * rank] >> 16
 
 
 @cute.jit

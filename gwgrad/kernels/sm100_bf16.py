@@ -79,7 +79,7 @@ from .common import (
     token_origin,
 )
 from .tiling import (epi_buffer_sets_problem, sm100_cta_tile_m, sm100_problem,
-                     split_tokens_problem, unit_schedule_problem)
+                     unit_schedule_problem)
 
 SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_100")  # 227 KiB per CTA
 CLC_RESPONSE_BYTES = 16
@@ -148,10 +148,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         if problem is not None:
             return problem
         problem = (epi_buffer_sets_problem(cfg.epi_buffer_sets, None)
-                   or split_tokens_problem(cfg.split_tokens, (cfg.cluster_m, cfg.cluster_n),
-                                           bool(cfg.scale_recipe), "sm_100a")
-                   or unit_schedule_problem(cfg.unit_schedule, cfg.split_tokens,
-                                           bool(cfg.scale_recipe), "sm_100a"))
+                   or unit_schedule_problem(cfg.unit_schedule, bool(cfg.scale_recipe),
+                                           "sm_100a"))
         if problem is not None:
             return problem
         if (cfg.tile_m != sm100_cta_tile_m(mma_tiler_mn) * cfg.cluster_m

@@ -26,18 +26,16 @@ the epilogue's TMA store groups; clusters add the leader's unit mailbox (cluster
 Epilogue: stmatrix into (64|128) x epi_tile_n sub-tiles, each TMA-stored (or reduce-added when
 accumulating) as soon as it is staged (GroupedWgradKernel.store_subtile, shared with SM100).
 
-Clusters (BF16): (1, 2) shares A, (2, 1) B, (2, 2) both, by TMA multicast; a unit is the
+Clusters (BF16): a CTA pair, (1, 2) sharing A or (2, 1) B by TMA multicast; a unit is the
 cluster's tile, the leader takes units and hands them to its peers, and a CTA whose part lies
-past the output computes it (the cluster stays in step) and stores nothing. K split
-(split_tokens > 0, 1x1): an expert's chunks reduce-add into the tile in order (wait_turn /
-pass_turn; a 16-bit output rounds each chunk's partial sum). Unit schedules
-(tiling.UNIT_SCHEDULES): dynamic (atomic counter), static, balanced (static on balanced
-counts, decided in the kernel per launch) and hybrid.
+past the output computes it (the cluster stays in step) and stores nothing. Unit schedules
+(tiling.UNIT_SCHEDULES): dynamic (atomic counter) and balanced (a static order on balanced
+counts, else dynamic, decided in the kernel per launch).
 
 Verified on an H200: tests/test_sm90_kernel_gpu.py (TestSm90, TestSm90TwoLaunches,
-TestSm90PairSharingA / B, TestSm90Quad: every mode per cluster shape; test_pingpong_ and
-test_cooperative_epilogue_buffer_set_per_group, test_single_launch_*, test_static_units,
-test_balanced_schedule, test_hybrid_schedule, test_k_split, test_zero_fill_*),
+TestSm90PairSharingA / B: every mode per cluster shape; test_pingpong_ and
+test_cooperative_epilogue_buffer_set_per_group, test_single_launch_*,
+test_balanced_schedule, test_zero_fill_*),
 tests/test_status_gpu.py (invalid offsets write nothing), tests/test_api_gpu.py and the
 adapters' GPU tests. Not yet under the fuzz (tests/test_fuzz_gpu.py), the sanitizer or the soak
 runs: coop_split. PTX checks (sm_90a, no GPU): tests/test_compile_sm90.py.
@@ -79,13 +77,10 @@ from .common import (
     store_shared_zeros_16b,
     tma_desc_ptr_for_copy,
     token_origin,
-    unit_chunk,
     unit_tile_coords,
 )
 from .tiling import (SM90_CLUSTERS, SM90_FP8_CLUSTERS, epi_buffer_sets_problem,
-                     split_tokens_problem,
-                     unit_schedule_problem, SCHEDULE_BALANCED, SCHEDULE_HYBRID, SCHEDULE_STATIC,
-                     BALANCED_SPREAD)
+                     unit_schedule_problem, SCHEDULE_BALANCED, BALANCED_SPREAD)
 
 SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_90")  # 227 KiB per CTA
 SCHED_STAGES = 4
@@ -214,11 +209,9 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             return ("mma_tiler_mn",
                     f"{cfg.schedule} tiles are {rows[0]}|{rows[1]} x 64..256, got "
                     f"{cta_m}x{cta_n}")
-        problem = (epi_buffer_sets_problem(cfg.epi_buffer_sets, cfg.schedule, cfg.split_tokens,
+        problem = (epi_buffer_sets_problem(cfg.epi_buffer_sets, cfg.schedule,
                                            bool(cfg.scale_recipe), cta_m)
-                   or split_tokens_problem(cfg.split_tokens, cluster, bool(cfg.scale_recipe))
-                   or unit_schedule_problem(cfg.unit_schedule, cfg.split_tokens,
-                                           bool(cfg.scale_recipe)))
+                   or unit_schedule_problem(cfg.unit_schedule, bool(cfg.scale_recipe)))
         if problem is not None:
             return problem
         epi_tile, _, ab_stage = cls.epilogue_plan(cfg)
@@ -307,12 +300,6 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         tma_atom_c, tma_tensor_c = cpasync.make_tiled_tma_atom(
             self.c_store_op(), mC, epi_smem_layout, self.epi_tile
         )
-        # K split: the later chunks of a tile reduce-add (the same atom when accumulating).
-        tma_atom_c_add = tma_atom_c
-        if cutlass.const_expr(cfg.split_tokens > 0 and not cfg.accumulate):
-            tma_atom_c_add, _ = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), mC, epi_smem_layout, self.epi_tile
-            )
 
         scale_sources, sf_capacity = None, None
         if cutlass.const_expr(scales is not None):
@@ -340,7 +327,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             status = cute.make_tensor(
                 cute.recast_ptr(status_ptr, dtype=Int32), cute.make_layout(STATUS_INT32)
             )
-            kernel = self.kernel(*args, mA, mB, offsets, tokens_sum, status, tma_atom_c_add)
+            kernel = self.kernel(*args, mA, mB, offsets, tokens_sum, status)
         else:
             kernel = self.kernel_scaled(*args, *scale_sources)
         kernel.launch(
@@ -372,7 +359,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         class SharedStorage:
             ab_mbar: cute.struct.MemRange[Int64, self.ab_stage * 2]
             sched_mbar: cute.struct.MemRange[Int64, SCHED_STAGES * 2]
-            sched_slots: cute.struct.MemRange[Int32, SCHED_STAGES * 4]
+            sched_slots: cute.struct.MemRange[Int32, SCHED_STAGES * 4]  # 16 B: 3 words used
             # The zero fill's source line (in the padding before sA's 1024-byte alignment).
             zero_line: cute.struct.Align[cute.struct.MemRange[Int32, ZERO_LINE // 4], 128]
             sA: cute.struct.Align[
@@ -430,7 +417,6 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         offsets: cute.Tensor,
         tokens_sum: Int32,
         status: cute.Tensor,
-        tma_atom_c_add: cute.CopyAtom,
     ):
         ws = Workspace(self.cfg, workspace_ptr)
         if cutlass.const_expr(self.cfg.launches == 1):
@@ -447,11 +433,8 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         # before touching shared memory, barriers or the output: with invalid offsets the
         # whole CTA exits at once, so no store and no half-initialized pipeline.
         if ws.verdict[0] != 0:
-            atoms_c = tma_atom_c  # K split: the store and the reduce-add atom
-            if cutlass.const_expr(self.cfg.split_tokens > 0):
-                atoms_c = (tma_atom_c, tma_atom_c_add)
             self.gemm_cta(
-                tma_atom_a, mA_coord, tma_atom_b, mB_coord, atoms_c, mC_coord, wgrad_ptrs,
+                tma_atom_a, mA_coord, tma_atom_b, mB_coord, tma_atom_c, mC_coord, wgrad_ptrs,
                 c_out, ws,
                 tiled_mma, a_smem_layout_staged, b_smem_layout_staged, epi_smem_layout_staged,
                 None,
@@ -477,10 +460,10 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             num_stages=self.ab_stage,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             # One arrive per consumer warp that reads a stage, in every CTA whose producer
-            # writes into it (the cluster's multicast partners).
+            # writes into it: the CTA itself, and its pair peer (the shared operand's other
+            # slice, multicast).
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread,
-                (4 if self.pingpong else 8) * (self.num_mcast_a + self.num_mcast_b - 1),
+                pipeline.Agent.Thread, (4 if self.pingpong else 8) * self.cluster_size,
             ),
             tx_count=self.tma_bytes,
             cta_layout_vmnk=self.cluster_layout_vmnk(),
@@ -594,11 +577,12 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         a_mask, b_mask = None, None
         a_part, b_part = (0, cute.make_layout(1)), (0, cute.make_layout(1))
         if cutlass.const_expr(self.cluster_size > 1):
+            # A pair multicasts one operand: A along N (1x2), B along M (2x1).
             layout = self.cluster_layout_vmnk()
             if cutlass.const_expr(self.num_mcast_a > 1):
                 a_mask = cpasync.create_tma_multicast_mask(layout, coord, mcast_mode=2)
                 a_part = (coord[2], cute.make_layout(self.num_mcast_a))
-            if cutlass.const_expr(self.num_mcast_b > 1):
+            elif cutlass.const_expr(self.num_mcast_b > 1):
                 b_mask = cpasync.create_tma_multicast_mask(layout, coord, mcast_mode=1)
                 b_part = (coord[1], cute.make_layout(self.num_mcast_b))
         # Units are decoded one ahead: the next unit's counter atomic, its workspace reads and
@@ -610,43 +594,21 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         self.acquire_descriptors(ws, expert)
         # Only the experts with tokens get units (ranks 0 .. live-1); warps ZERO.. zero the
         # others' outputs (zero_empty_experts), or there is nothing to add when accumulating.
-        # With the K split, the units are those of the live experts' chunks.
         live_units = ws.live[0] * cfg.tiles_per_expert
-        if cutlass.const_expr(cfg.split_tokens > 0):
-            live_units = ws.vlive[0] * cfg.tiles_per_expert
         # Static units (a balanced schedule decides per launch): each CTA of a cluster computes
         # the same sequence, so there is nothing to hand off.
-        static = Int32(0)  # balanced: this launch's choice (the other schedules are fixed)
+        static = Int32(0)  # balanced: this launch's choice (dynamic is fixed)
         if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_BALANCED):
             static = self.counts_balanced(ws, grid)
-        # Hybrid: units below `head` (a multiple of the grid) go out statically, the rest from
-        # the counter (+ head); a balanced launch is static throughout.
-        head = grid
-        if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_HYBRID):
-            if self.counts_balanced(ws, grid) != 0:
-                head = live_units + grid
-            else:
-                head = self.static_head(ws, grid, lane)
         while unit < live_units:
-            local_k, chunk = Int32(0), Int32(0)
-            if cutlass.const_expr(cfg.split_tokens > 0):
-                local_k, chunk = unit_chunk(cfg, unit, ws)
-            self.publish(sched_pipeline, sched_state, sched_slots, unit, expert, k_tiles, lane,
-                         chunk)
+            self.publish(sched_pipeline, sched_state, sched_slots, unit, expert, k_tiles, lane)
             sched_state.advance()
             nxt = Int32(0)
-            if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_STATIC):
-                nxt = unit + grid
-            elif cutlass.const_expr(cfg.unit_schedule == SCHEDULE_BALANCED):
+            if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_BALANCED):
                 if static != 0:
                     nxt = unit + grid
                 else:
                     nxt, seq = self.dynamic_next_unit(ws, mailbox, seq, grid, lane)
-            elif cutlass.const_expr(cfg.unit_schedule == SCHEDULE_HYBRID):
-                if unit + grid < head:
-                    nxt = unit + grid
-                else:
-                    nxt, seq = self.dynamic_next_unit(ws, mailbox, seq, head, lane)
             else:
                 nxt, seq = self.dynamic_next_unit(ws, mailbox, seq, grid, lane)
             nxt = cute.arch.shuffle_sync(nxt, 0)
@@ -658,13 +620,10 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
 
             desc_a = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_A))
             desc_b = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_B))
-            local = local_k if cutlass.const_expr(cfg.split_tokens > 0) else None
             tAsA, tAgA = self.operand_tiles(tma_atom_a, mA_coord, sA, self.cta_m,
-                                            token_origin(begin, cfg.a_ragged_block, local),
-                                            a_part)
+                                            token_origin(begin, cfg.a_ragged_block), a_part)
             tBsB, tBgB = self.operand_tiles(tma_atom_b, mB_coord, sB, self.cta_n,
-                                            token_origin(begin, cfg.b_ragged_block, local),
-                                            b_part)
+                                            token_origin(begin, cfg.b_ragged_block), b_part)
             cta_m, cta_n = self.cta_tile(coord, tile_m, tile_n)
             unit_sf = None
             if cutlass.const_expr(scales is not None):
@@ -687,10 +646,9 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             unit = nxt
             expert, tile_m, tile_n, begin, k_tiles = n_expert, n_tile_m, n_tile_n, n_begin, n_k_tiles
         # Tell the consumers there is no more work.
-        self.publish(sched_pipeline, sched_state, sched_slots, unit, Int32(-1), Int32(0), lane,
-                     Int32(0))
+        self.publish(sched_pipeline, sched_state, sched_slots, unit, Int32(-1), Int32(0), lane)
         ab_pipeline.producer_tail(ab_state)
-        if cutlass.const_expr(self.cluster_size > 1 and cfg.unit_schedule != SCHEDULE_STATIC):
+        if cutlass.const_expr(self.cluster_size > 1):
             # The leader stays until every peer has taken every unit id it sent (their
             # arrives land in its shared memory), as producer_tail does for the stages; after
             # a static launch of a balanced schedule it sent none (seq 0: the waits pass).
@@ -749,7 +707,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     def dynamic_next_unit(self, ws, mailbox, seq, base, lane):
         """(the next unit on lane 0, the mailbox sequence number after it) of the dynamic
         schedule: the counter's next value + base (the grid: every CTA (cluster) started with
-        its index; hybrid: the static head), through the leader on a cluster."""
+        its index), through the leader on a cluster."""
         nxt = Int32(0)
         if cutlass.const_expr(self.cluster_size == 1):
             if lane == 0:
@@ -758,23 +716,6 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             nxt = self.cluster_next_unit(ws, mailbox, seq, base, lane)
             seq += 1
         return nxt, seq
-
-    @cute.jit
-    def static_head(self, ws, grid, lane):
-        """Hybrid schedule, an unbalanced launch: the units handed out statically, a multiple
-        of the grid (at least one round). Units go out longest expert first, so after a static
-        head two CTAs' work differs by at most one unit of the longest expert (`most` tokens);
-        the dynamic tail must hold at least grid x that: it starts at the last rank r whose
-        tokens from r on (rank_tokens, written by the prep work) x units per expert reach
-        grid x most. The warp counts those ranks (rank_tokens does not increase with r)."""
-        cfg = self.cfg
-        need = Int64(ws.most[0]) * Int64(grid)
-        found = Int32(0)
-        for r in range(lane, ws.live[0], 32):
-            found += Int32(Int64(ws.rank_tokens[r]) * cfg.tiles_per_expert >= need)
-        found = cute.arch.warp_redux_sync(found, "add")
-        tail_rank = cutlass.max(found - 1, Int32(0))
-        return cutlass.max(grid, (tail_rank * cfg.tiles_per_expert) // grid * grid)
 
     @cute.jit
     def counts_balanced(self, ws, grid):
@@ -790,7 +731,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     def cluster_next_unit(self, ws, mailbox, seq, base, lane):
         """The cluster's next unit (lane 0; the other lanes get 0), its `seq`-th from the
         counter. The leader takes it (atomic add, + base: the clusters that started with their
-        index, or the hybrid schedule's static head) and stores it into each peer's mailbox
+        index) and stores it into each peer's mailbox
         slot with st.async, which completes the peer's full barrier; a peer waits for it and
         acknowledges on the leader's empty barrier, which the leader waits on before reusing
         the slot. Every CTA of the cluster therefore walks the same units, taken dynamically
@@ -835,22 +776,15 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             acquire_descriptor(ws, expert, slot)
 
     @cute.jit
-    def publish(self, sched_pipeline, sched_state, sched_slots, unit, expert, k_tiles, lane,
-                chunk):
-        words = (unit, expert, k_tiles)
-        if cutlass.const_expr(self.cfg.split_tokens > 0):
-            words = (unit, expert, k_tiles, chunk)
-        self.publish_words(sched_pipeline, sched_state, sched_slots, words, lane)
+    def publish(self, sched_pipeline, sched_state, sched_slots, unit, expert, k_tiles, lane):
+        self.publish_words(sched_pipeline, sched_state, sched_slots, (unit, expert, k_tiles),
+                           lane)
 
     @cute.jit
     def take(self, sched_pipeline, sched_state, sched_slots):
-        """Next published unit: (unit, expert, k_tiles, chunk); expert < 0 means no more
-        work; chunk (K split only, else 0): the unit's chunk | the expert's chunks << 8."""
-        if cutlass.const_expr(self.cfg.split_tokens > 0):
-            words, sched_state = self.take_words(sched_pipeline, sched_state, sched_slots, 4)
-            return words[0], words[1], words[2], words[3], sched_state
+        """Next published unit: (unit, expert, k_tiles); expert < 0 means no more work."""
         words, sched_state = self.take_words(sched_pipeline, sched_state, sched_slots, 3)
-        return words[0], words[1], words[2], Int32(0), sched_state
+        return words[0], words[1], words[2], sched_state
 
     @cute.jit
     def skip(self, ab_read, ab_release, k_tiles):
@@ -949,7 +883,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         # A/B stages a group is ahead by stay held until the other group releases them.
         epi_turns = epi_ordered or self.coop_split
 
-        unit, expert, k_tiles, chunk, sched_state = self.take(
+        unit, expert, k_tiles, sched_state = self.take(
             sched_pipeline, sched_state, sched_slots
         )
         if cutlass.const_expr(self.coop_split):
@@ -965,7 +899,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 # Group 1 starts with the second unit: skip the first one's stages.
                 if expert >= 0:
                     ab_read, ab_release = self.skip(ab_read, ab_release, k_tiles)
-                    unit, expert, k_tiles, chunk, sched_state = self.take(
+                    unit, expert, k_tiles, sched_state = self.take(
                         sched_pipeline, sched_state, sched_slots
                     )
 
@@ -1010,10 +944,6 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 store = store and output_ptr_ok(wgrad_ptrs, expert)
             if cutlass.const_expr(epi_turns):
                 epi_order_self.arrive_and_wait()
-            turn = None  # K split: (the tile's flag, this unit's chunk, the expert's chunks)
-            if cutlass.const_expr(cfg.split_tokens > 0):
-                turn = (ws.flag_ptr(expert, unit % cfg.tiles_per_expert), chunk & 255,
-                        chunk >> 8)
             if store:
                 if cutlass.const_expr(cfg.output_mode == "dense"):
                     gC_tile = self.group_rows(gC[(None, None, 0, tile_m, tile_n, expert)],
@@ -1021,7 +951,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                     self.epilogue(
                         tma_atom_c, gC_tile, None, acc, tiled_copy_r2s, tRS_rAcc, tRS_rD,
                         tRS_rD_out, tRS_sD, sC, store_pipeline, epi_bar, is_store_warp, n_done,
-                        epi_base, turn,
+                        epi_base,
                     )
                 else:
                     gC_tile = self.group_rows(gC[(None, None, tile_m, tile_n)], mma_group)
@@ -1031,11 +961,9 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                     self.epilogue(
                         tma_atom_c, gC_tile, desc_c, acc, tiled_copy_r2s, tRS_rAcc, tRS_rD,
                         tRS_rD_out, tRS_sD, sC, store_pipeline, epi_bar, is_store_warp, n_done,
-                        epi_base, turn,
+                        epi_base,
                     )
                 n_done += 1
-            # (K split: an expert's chunks are all stored or all skipped, as its address is,
-            # so a skipped chunk has no later chunk waiting for it.)
             if cutlass.const_expr(epi_ordered):
                 # The peer group reuses the same staging buffers: let our stores drain first.
                 if is_store_warp:
@@ -1043,14 +971,14 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             if cutlass.const_expr(epi_turns):
                 epi_order_peer.arrive()
 
-            unit, expert, k_tiles, chunk, sched_state = self.take(
+            unit, expert, k_tiles, sched_state = self.take(
                 sched_pipeline, sched_state, sched_slots
             )
             if cutlass.const_expr(self.pingpong):
                 if expert >= 0:
                     # Skip the peer group's unit.
                     ab_read, ab_release = self.skip(ab_read, ab_release, k_tiles)
-                    unit, expert, k_tiles, chunk, sched_state = self.take(
+                    unit, expert, k_tiles, sched_state = self.take(
                         sched_pipeline, sched_state, sched_slots
                     )
 
@@ -1099,52 +1027,15 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         return ab_release
 
     @cute.jit
-    def wait_turn(self, turn):
-        """K split, the store warp before a tile's first TMA store or add: wait (acquire) until
-        the chunks before this one have all been added (the flag counts them)."""
-        flag, chunk, chunks = turn
-        if chunk > 0:
-            done = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-            while done < chunk:
-                done = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-            # The adds that follow are async-proxy operations on what the generic acquire
-            # made visible.
-            cute.arch.fence_proxy("async.global")
-
-    @cute.jit
-    def pass_turn(self, turn):
-        """K split, the store warp after a split expert's tile: once its TMA stores or adds
-        are complete in global memory (not only read from shared memory), count this chunk
-        in the tile's flag (release), so the next chunk may add. The prep work clears the
-        flags at every launch."""
-        flag, chunk, chunks = turn
-        if chunks > 1:
-            # Whichever lane issued the bulk groups waits for them here; the warp barrier
-            # orders that before lane 0's release.
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
-            cute.arch.fence_proxy("async.global")
-            cute.arch.sync_warp()
-            if cute.arch.lane_idx() == 0:
-                cute.arch.atomic_exch(flag, chunk + 1, sem="release", scope="gpu")
-
-    @cute.jit
     def epilogue(
         self, tma_atom_c, gC_tile, desc_c, acc, tiled_copy_r2s, tRS_rAcc, tRS_rD, tRS_rD_out,
-        tRS_sD, sC, store_pipeline, epi_bar, is_store_warp, n_done, epi_base, turn=None,
+        tRS_sD, sC, store_pipeline, epi_bar, is_store_warp, n_done, epi_base,
     ):
-        """Store acc through the staging buffers epi_base .. epi_base + epi_stage - 1.
-
-        ``tma_atom_c``: the store atom, or with the K split (store, reduce-add) atoms and
-        ``turn`` = (the tile's flag, chunk, chunks): chunk 0 stores (reduce-adds when
-        accumulating), a later chunk reduce-adds once the flag says the chunk before it is
-        complete in global memory (wait_turn), and every chunk of a split expert passes the
-        turn on after its own adds completed (pass_turn)."""
-        store_atom, add_atom = tma_atom_c, tma_atom_c
-        if cutlass.const_expr(turn is not None):
-            store_atom, add_atom = tma_atom_c
+        """Store acc through the staging buffers epi_base .. epi_base + epi_stage - 1 with the
+        store atom ``tma_atom_c``."""
         gC_epi = cute.zipped_divide(gC_tile, self.epi_tile)
         bSG_sD, bSG_gD = cpasync.tma_partition(
-            store_atom, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+            tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
         )
         epi_tiles = cute.size(gC_epi, mode=[1])
         epi_shape = gC_epi.shape[1]
@@ -1162,25 +1053,8 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             epi_bar.arrive_and_wait()
             if is_store_warp:
                 gcoord = epi_layout.get_hier_coord(epi_idx)
-                if cutlass.const_expr(turn is None):
-                    self.store_subtile(
-                        store_atom, bSG_sD[(None, buf)], bSG_gD[(None, gcoord)], desc_c,
-                        store_pipeline,
-                    )
-                else:
-                    if cutlass.const_expr(epi_idx == 0):
-                        self.wait_turn(turn)
-                    if turn[1] == 0:
-                        self.store_subtile(
-                            store_atom, bSG_sD[(None, buf)], bSG_gD[(None, gcoord)], desc_c,
-                            store_pipeline,
-                        )
-                    else:
-                        self.store_subtile(
-                            add_atom, bSG_sD[(None, buf)], bSG_gD[(None, gcoord)], desc_c,
-                            store_pipeline,
-                        )
+                self.store_subtile(
+                    tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gcoord)], desc_c,
+                    store_pipeline,
+                )
             epi_bar.arrive_and_wait()
-        if cutlass.const_expr(turn is not None):
-            if is_store_warp:
-                self.pass_turn(turn)

@@ -31,8 +31,8 @@ SM90_FP8_TILES = {
 #: SM90 BF16 clusters: a CTA pair along N shares A (1, 2) or along M shares B (2, 1), loaded
 #: once from L2 by TMA multicast. The scaled FP8 kernel runs the pairs too (each CTA loads its
 #: own scales).
-SM90_CLUSTERS = ((1, 1), (1, 2), (2, 1), (2, 2))
-SM90_FP8_CLUSTERS = ((1, 1), (1, 2), (2, 1))
+SM90_CLUSTERS = ((1, 1), (1, 2), (2, 1))
+SM90_FP8_CLUSTERS = SM90_CLUSTERS
 SM100_CLUSTERS = ((1, 1), (2, 1), (4, 1))
 SM100_BLOCKSCALED_TILES = ((128, 128), (128, 256), (256, 128), (256, 256))
 
@@ -52,15 +52,13 @@ def sm90_schedule(mma_tiler_mn: Pair) -> str:
     return SM90_TILES[tuple(mma_tiler_mn)]
 
 
-def epi_buffer_sets_problem(sets: int, schedule: Optional[str], split_tokens: int = 0,
-                            block_scaled: bool = False,
+def epi_buffer_sets_problem(sets: int, schedule: Optional[str], block_scaled: bool = False,
                             cta_m: int = 128) -> Optional[Tuple[str, str]]:
     """(argument, detail) unless a kernel with ``schedule`` ("cooperative" | "pingpong" on
     SM90; None: SM100, no consumer groups) runs ``sets`` sets of epilogue staging buffers
     (0: the default, 1). 2 gives each SM90 consumer group a set of its own: pingpong groups
     then overlap their epilogues; cooperative groups of a 128-row CTA tile (``cta_m``) store
-    their own 64 rows in turn (the BF16 kernel without the K split, whose turn flags count
-    one store warp per tile)."""
+    their own 64 rows in turn (the BF16 kernel)."""
     if sets in (0, 1) or (sets == 2 and schedule == "pingpong"):
         return None
     if sets == 2 and schedule == "cooperative":
@@ -72,9 +70,6 @@ def epi_buffer_sets_problem(sets: int, schedule: Optional[str], split_tokens: in
             return "epi_buffer_sets", ("expected 1 with block-scaled inputs on a cooperative "
                                        "tile (a set of epilogue buffers per consumer group "
                                        "runs there in the BF16 kernel only), got 2")
-        if split_tokens:
-            return "epi_buffer_sets", (f"expected 1 with the K split (split_tokens="
-                                       f"{split_tokens}) on a cooperative tile, got 2")
         return None
     if sets == 2:
         return "epi_buffer_sets", ("expected 1 with the SM100 kernel, which runs one epilogue "
@@ -84,55 +79,29 @@ def epi_buffer_sets_problem(sets: int, schedule: Optional[str], split_tokens: in
                                f"buffers per consumer group), got {sets}")
 
 
-#: K split: chunks are a multiple of the BF16 kernel's 64-token K tile.
-SPLIT_TOKENS_MULTIPLE = 64
-
-
-def split_tokens_problem(split_tokens: int, cluster_shape_mn: Pair, block_scaled: bool,
-                         arch: str = "sm_90a") -> Optional[Tuple[str, str]]:
-    """(argument, detail) unless the K split of ``split_tokens`` (0: off) runs: the SM90 BF16
-    kernel with 1x1 clusters, chunks a multiple of its 64-token K tile."""
-    if not split_tokens:
-        return None
-    if split_tokens < 0 or split_tokens % SPLIT_TOKENS_MULTIPLE:
-        return "split_tokens", (f"expected 0 (no K split) or a positive multiple of "
-                                f"{SPLIT_TOKENS_MULTIPLE}, got {split_tokens}")
-    if block_scaled or arch not in ("sm_90a", "cpu"):
-        what = "block-scaled inputs" if block_scaled else arch
-        return "split_tokens", (f"expected 0: the K split runs in the SM90 BF16 kernel only, "
-                                f"not for {what}; got {split_tokens}")
-    if tuple(cluster_shape_mn) != (1, 1):
-        return "split_tokens", (f"expected 0 with a {tuple(cluster_shape_mn)} cluster (the K "
-                                f"split runs with 1x1 clusters), got {split_tokens}")
-    return None
-
-
 #: spec.unit_schedule: how a CTA (cluster) takes its output-tile units. DEFAULT (0) is resolved by
 #: the backend (finalize_spec); DYNAMIC: the first unit is the block's (cluster's) index, the
 #: next ones come from an atomic counter (a cluster's leader takes them and hands them to its
-#: peers); STATIC: units b, b + grid, b + 2 * grid, ... with no counter and no hand-off;
-#: BALANCED: STATIC on a launch whose expert counts are balanced (the largest minus the
-#: smallest nonzero count at most BALANCED_SPREAD of one CTA's share of the work), else
-#: DYNAMIC, decided by the kernel from the counts (no host sync); HYBRID: as BALANCED, but an
-#: unbalanced launch takes a static head and a dynamic tail (the shortest experts' units, at
-#: least grid x the longest expert's tokens of work, from the counter).
-UNIT_SCHEDULES = {0: "default", 1: "dynamic", 2: "static", 3: "balanced", 4: "hybrid"}
-SCHEDULE_DEFAULT, SCHEDULE_DYNAMIC, SCHEDULE_STATIC, SCHEDULE_BALANCED = 0, 1, 2, 3
-SCHEDULE_HYBRID = 4
+#: peers); BALANCED: a static order (units b, b + grid, b + 2 * grid, ... with no counter and
+#: no hand-off) on a launch whose expert counts are balanced (the largest minus the smallest
+#: nonzero count at most BALANCED_SPREAD of one CTA's share of the work), else DYNAMIC,
+#: decided by the kernel from the counts (no host sync). The static order runs only as that
+#: half of BALANCED; 2 and 4 are not schedules.
+UNIT_SCHEDULES = {0: "default", 1: "dynamic", 3: "balanced"}
+SCHEDULE_DEFAULT, SCHEDULE_DYNAMIC, SCHEDULE_BALANCED = 0, 1, 3
 #: BALANCED's bound: units are handed out longest expert first, so a static order leaves any
 #: two CTAs' work within one unit's length of each other (the largest count minus the
 #: smallest): static when that is at most 1/BALANCED_SPREAD of a CTA's share.
 BALANCED_SPREAD = 50
 
 
-def unit_schedule_problem(unit_schedule: int, split_tokens: int, block_scaled: bool,
+def unit_schedule_problem(unit_schedule: int, block_scaled: bool,
                           arch: str = "sm_90a") -> Optional[Tuple[str, str]]:
     """(argument, detail) unless ``unit_schedule`` runs: DEFAULT and DYNAMIC everywhere;
-    STATIC, BALANCED and HYBRID in the SM90 BF16 kernel without the K split (a later chunk
-    waits for a lower unit, which a static order may give a CTA that is not yet running)."""
+    BALANCED in the SM90 BF16 kernel."""
     if unit_schedule not in UNIT_SCHEDULES:
-        return "unit_schedule", ("expected 0 (the backend's default), 1 (dynamic), 2 (static), "
-                                 f"3 (balanced) or 4 (hybrid), got {unit_schedule}")
+        return "unit_schedule", ("expected 0 (the backend's default), 1 (dynamic) or 3 "
+                                 f"(balanced), got {unit_schedule!r}")
     if unit_schedule in (SCHEDULE_DEFAULT, SCHEDULE_DYNAMIC):
         return None
     name = UNIT_SCHEDULES[unit_schedule]
@@ -140,20 +109,16 @@ def unit_schedule_problem(unit_schedule: int, split_tokens: int, block_scaled: b
         what = "block-scaled inputs" if block_scaled else arch
         return "unit_schedule", (f"expected 0 or 1 (dynamic): a {name} schedule runs in the SM90 "
                                  f"BF16 kernel only, not for {what}; got {unit_schedule}")
-    if split_tokens:
-        return "unit_schedule", (f"expected 0 or 1 (dynamic) with the K split (split_tokens > 0: "
-                                 "a chunk waits for a lower unit, which a static order may give a "
-                                 f"CTA that is not running yet), got {unit_schedule} ({name})")
     return None
 
 
-def any_gpu_epi_buffer_sets_problem(sets: int, mma_tiler_mn: Pair, block_scaled: bool,
-                                    split_tokens: int = 0) -> Optional[Tuple[str, str]]:
+def any_gpu_epi_buffer_sets_problem(sets: int, mma_tiler_mn: Pair,
+                                    block_scaled: bool) -> Optional[Tuple[str, str]]:
     """epi_buffer_sets_problem for the SM90 kernel of the family that runs ``mma_tiler_mn``
     (a CTA's tile on SM90, whatever the cluster) (what the CPU reference accepts)."""
     tiles = SM90_FP8_TILES if block_scaled else SM90_TILES
-    return epi_buffer_sets_problem(sets, tiles.get(tuple(mma_tiler_mn)), split_tokens,
-                                   block_scaled, mma_tiler_mn[0])
+    return epi_buffer_sets_problem(sets, tiles.get(tuple(mma_tiler_mn)), block_scaled,
+                                   mma_tiler_mn[0])
 
 
 def sm90_fp8_problem(mma_tiler_mn: Pair, cluster_shape_mn: Pair) -> Optional[Tuple[str, str]]:

@@ -67,3 +67,24 @@ def test_reference_matches_a_float64_loop(harness):
             want += torch.outer(col, row)
         torch.testing.assert_close(out[e], want, rtol=0, atol=0)
         start += c
+
+
+def test_summary_counts_a_junit_report(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "cudnn_published_summary", HARNESS.parent / "summary.py")
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="fe_api.t" name="a"/>'
+        '<testcase classname="fe_api.t" name="b"><skipped message="Unsupported testcase: '
+        'x: needs an SM100 GPU"/></testcase>'
+        '<testcase classname="fe_api.t" name="c"><skipped message="Unsupported testcase: '
+        'x: needs an SM100 GPU"/></testcase>'
+        '<testcase classname="fe_api.t" name="d"><failure message="boom"/></testcase>'
+        '</testsuite></testsuites>')
+    got = summary.summarize(str(junit), "abc")
+    assert (got["passed"], got["skipped"], got["failed"]) == (1, 2, 1)
+    assert got["skip_reasons"] == {"x: needs an SM100 GPU": 2}
+    assert got["failures"] == [{"test": "fe_api.t::d", "message": "boom"}]

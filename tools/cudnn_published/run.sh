@@ -2,6 +2,7 @@
 # Runs cuDNN frontend's published grouped-GEMM wgrad tests against gwgrad's contract names.
 #
 #   bash tools/cudnn_published/run.sh CUDNN_FRONTEND_CHECKOUT [pytest args...]
+#   CUDNN_TESTS_JSON=out.json bash tools/cudnn_published/run.sh ...   (also writes the counts)
 #
 # CUDNN_FRONTEND_CHECKOUT: a checkout of github.com/NVIDIA/cudnn-frontend (or any directory
 # holding its test/python/). The tests are copied into a temporary directory, never into this
@@ -27,6 +28,13 @@ utils="$work/fe_api/test_grouped_gemm_wgrad_utils.py"
 changed=$(grep -c "if compute_capability < 100:" "$utils" || true)
 [ "$changed" -eq 1 ] || { echo "expected one compute-capability check in $utils, found $changed" >&2; exit 2; }
 sed -i 's/if compute_capability < 100:/if compute_capability < 90:/' "$utils"
-echo "== tests from $(cat "$src/COMMIT" 2>/dev/null || git -C "$src" rev-parse HEAD 2>/dev/null || echo "$src")"
+commit=$(cat "$src/COMMIT" 2>/dev/null || git -C "$src" rev-parse HEAD 2>/dev/null || echo unknown)
+echo "== cuDNN frontend tests at $commit"
 cd "$work"
-python -m pytest -p no:cacheprovider -rs "$@" fe_api/test_grouped_gemm_wgrad.py
+rc=0
+python -m pytest -p no:cacheprovider -rs --junitxml="$work/junit.xml" "$@" \
+  fe_api/test_grouped_gemm_wgrad.py || rc=$?
+if [ -n "${CUDNN_TESTS_JSON:-}" ]; then
+  python "$here/summary.py" "$work/junit.xml" "$commit" "$CUDNN_TESTS_JSON"
+fi
+exit $rc

@@ -64,7 +64,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from gwgrad import backends, cuda, offsets as offsets_rules, status
+from gwgrad import backends, cuda, grid, offsets as offsets_rules, status
 from gwgrad.dsl import shielded_argv
 from gwgrad.dtypes import DType, as_dtype
 from gwgrad.errors import NAMED_ERRORS, ArgumentError
@@ -261,7 +261,7 @@ def _kernel_call(request, out_dtype, accumulate: bool, out_input: int, tokens_su
         # the key by cutlass_call itself.
         compile_key=("gwgrad", type(kernel).__module__, type(kernel).__qualname__, spec),
         tokens_sum=tokens_sum,
-        grid_size=backend.grid_size(kernel, spec),
+        grid_size=grid.grid_size_for_arch(kernel.cfg, spec.arch),
         status_address=_status_address(),
         **constants(spec),
     )

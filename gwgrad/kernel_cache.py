@@ -58,9 +58,11 @@ __all__ = ["KernelFunction", "load_or_compile", "entry_key", "cache_dir", "stats
 FORMAT = 1
 #: Argument kinds of a signature: an 8-byte pointer, an int32, the CUDA stream (exactly one).
 KINDS = ("ptr", "i32", "stream")
-#: What the compiled code depends on, relative to the gwgrad package: the kernels, the backends'
-#: spec -> kernel config mapping, and the modules those import from (tests check the list).
-SOURCES = ("kernels", "backends", "dtypes.py", "offsets.py", "scales.py", "spec.py")
+#: What the compiled code depends on, relative to the gwgrad package: the kernels (and their
+#: compile, kernels/compiler.py), the backends' spec -> kernel config mapping, and the modules
+#: those import from (tests check the list).
+SOURCES = ("kernels", "backends", "dsl.py", "dtypes.py", "errors.py", "offsets.py", "scales.py",
+           "spec.py")
 
 _lock = threading.RLock()
 _memory: Dict[str, "KernelFunction"] = {}

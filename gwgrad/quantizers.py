@@ -45,7 +45,8 @@ import numpy as np
 from . import formats, interop, kernel_cache, scales as sc
 from .api import TupleDict
 from .dtypes import DType
-from .errors import ArgumentError, fail
+from .errors import fail
+from .kernels import compiler
 from .tensors import TensorDesc
 from .validation import check_aligned
 
@@ -221,7 +222,7 @@ def reference_quantize(x: Any, offsets: Any, fmt: str, elem: Optional[str] = Non
 
 # --- the GPU path -------------------------------------------------------------------------------
 
-SIGNATURE = ("ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "stream")
+SIGNATURE = compiler.entry_kinds(compiler.QUANTIZE_SIGNATURE)
 _lock = threading.Lock()
 _kernels: Dict[Tuple[Any, str], Any] = {}
 
@@ -237,43 +238,19 @@ def kernel_config(fmt: str, elem: str, channels: int, num_experts: int):
 def compile_quantizer(cfg, arch: str, extra_options: str = "") -> Any:
     """``cute.compile`` of the quantizer of ``cfg`` for ``arch`` (no cache; the compile tests
     read ``.artifacts.PTX`` with ``extra_options="--keep-ptx"``)."""
-    from .backends import _cutedsl
-    from .kernels.quantize import GroupedQuantizer, problem
-
-    bad = problem(cfg)
-    if bad is not None:
-        raise ArgumentError(*bad)
-
-    def samples() -> list:
-        """Placeholder values of SIGNATURE (types and alignments)."""
-        import cuda.bindings.driver as cuda_driver
-        import cutlass
-        import cutlass.cute as cute
-
-        def ptr(dtype, align):
-            return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
-
-        sf = cutlass.Float32 if cfg.recipe != sc.BLOCKED else cutlass.Uint8
-        return [ptr(cutlass.BFloat16, 16), ptr(cutlass.Int32, 4), ptr(cutlass.Uint8, 16),
-                ptr(sf, 16), ptr(cutlass.Float32, 4), ptr(cutlass.Int32, 16), cutlass.Int32(1),
-                cutlass.Int32(1), cutlass.Int32(1), cuda_driver.CUstream(0)]
-
-    return _cutedsl.compile_entry(GroupedQuantizer(cfg), samples,
-                                  _cutedsl.compile_options_for(arch, extra_options))
+    return compiler.compile_quantizer(cfg, arch, extra_options)
 
 
 def _kernel(cfg, arch: str):
     key = (cfg, arch)
     kernel = _kernels.get(key)
     if kernel is None:
-        from .backends import _cutedsl
-
         with _lock:
             kernel = _kernels.get(key)
             if kernel is None:
                 kernel = kernel_cache.load_or_compile(
                     ("gwgrad.kernels.quantize.GroupedQuantizer", repr(cfg)), arch,
-                    _cutedsl.compile_options_for(arch), SIGNATURE,
+                    compiler.compile_options(arch), SIGNATURE,
                     lambda: (compile_quantizer(cfg, arch), {}))
                 _kernels[key] = kernel
     return kernel

@@ -544,8 +544,7 @@ CLUSTER_CHILD = """
 import builtins, json, sys
 sys.path.insert(0, {tests!r})
 import gwgrad
-from gwgrad import backends, cuda, kernel_cache
-from gwgrad.backends import _cutedsl
+from gwgrad import backends, cuda, grid, kernel_cache
 from gwgrad.validation import build_spec
 from gwgrad import DType, from_pointer
 
@@ -553,7 +552,7 @@ from gwgrad import DType, from_pointer
 cuda.compute_capability = lambda device=0: (9, 0)
 cuda.device_name = lambda device=0: "NVIDIA H200"
 cuda.driver_version = lambda: 13000
-_cutedsl._sm_count = lambda device: 132
+grid._sm_count = lambda device: 132
 
 class Cached:  # a kernel found in the disk cache
     info = {{"num_units": 64, "workspace_bytes": 4096}}

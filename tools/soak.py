@@ -29,7 +29,7 @@ What it does (CUDA):
    separately). Plan caches
    (the adapter's, the core's) must not grow after the warm-up.
 4. **Kernels**: kernels loaded into the process (``gwgrad.kernel_cache.stats()``: compiles +
-   disk loads; ``gwgrad.backends._cutedsl.compile_count`` counts actual compiles) must equal
+   disk loads; ``gwgrad.kernels.compiler.compile_count`` counts actual compiles) must equal
    the number of distinct kernels the specs need (``expected_kernels``: one per static GEMM
    spec, one per quantizer (channels, experts, format)), none after the warm-up.
 5. **CUDA graphs**: one ``wgrad`` call (BF16 out) and one accumulating into FP32 are each
@@ -568,13 +568,13 @@ def memory_growth(before: Dict[str, int], after: Dict[str, int], alloc_tol_mib: 
 def kernel_counters() -> Dict[str, int]:
     """gwgrad.kernel_cache.stats() with the CuTe DSL compile count and the operator counters."""
     from gwgrad import kernel_cache
-    from gwgrad.backends import _cutedsl
+    from gwgrad.kernels import compiler
 
     stats = kernel_cache.stats()
     info = gwgrad.cache_info()
     return {"compiles": stats["compiles"], "disk_hits": stats["disk_hits"],
             "rebuilds": stats["rebuilds"], "loaded": stats["compiles"] + stats["disk_hits"],
-            "dsl_compile_count": int(_cutedsl.compile_count),
+            "dsl_compile_count": int(compiler.compile_count),
             "operators_constructed": info["constructed"]}
 
 

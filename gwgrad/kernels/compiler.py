@@ -1,0 +1,147 @@
+"""Compiling gwgrad's kernels with the CuTe DSL: the options for an architecture, each compiled
+entry's signature and placeholder arguments, and the compile itself.
+
+Every kernel gwgrad compiles goes through ``compile_entry`` (one process-wide lock, shielded from
+``sys.argv``, counted in ``compile_count``): the GEMMs' raw-address entries (``compile_kernel``)
+and the quantizers' (``compile_quantizer``). Kernels compile for the ``--gpu-arch`` option's architecture, so no GPU
+is needed. Importing this module imports no DSL (its functions do): gwgrad.plan and the backends
+import it on every path, cached kernels included. (Not ``compile.py``: that name would shadow
+the builtin wherever the module is imported by name.)
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, Sequence, Tuple
+
+from ..dsl import shielded_argv
+
+__all__ = ["ENTRY_SIGNATURE", "SCALED_ENTRY_SIGNATURE", "QUANTIZE_SIGNATURE", "compile_options",
+           "entry_signature", "entry_kinds", "sample_arguments", "gemm_samples",
+           "compile_entry", "compile_kernel", "compile_quantizer", "compile_count"]
+
+_compile_lock = threading.Lock()
+#: How many kernels this process compiled (tests assert that cached operators reuse theirs).
+compile_count = 0
+
+#: The GEMMs' compiled entry (``GemmEntryPoints.__call__``): its run-time arguments in order,
+#: (name, "ptr", element dtype, alignment in bytes), (name, "i32") or (name, "stream"). Dtype
+#: "a" / "b": the operands'; "out": the dense output's, or int64 (the pointer array) in
+#: discrete mode; "sf": the scale tensors' (uint8 for E8M0 / E4M3 bytes).
+ENTRY_SIGNATURE: Tuple[tuple, ...] = (
+    ("a", "ptr", "a", 16),
+    ("b", "ptr", "b", 16),
+    ("offsets", "ptr", "int32", 4),
+    ("out", "ptr", "out", 16),
+    ("workspace", "ptr", "uint8", 128),
+    ("status", "ptr", "int32", 16),
+    ("tokens_sum", "i32"),
+    ("grid_size", "i32"),
+    ("stream", "stream"),
+)
+#: Block-scaled GEMMs (``ScaledEntryPoints.__call__``): the scale rows go after tokens_sum
+#: (global scales 0 when absent; sf_capacity: gwgrad/scales.py).
+SCALED_ENTRY_SIGNATURE: Tuple[tuple, ...] = ENTRY_SIGNATURE[:7] + (
+    ("sfa", "ptr", "sf", 16),
+    ("sfb", "ptr", "sf", 16),
+    ("global_scale_a", "ptr", "float32", 4),
+    ("global_scale_b", "ptr", "float32", 4),
+    ("sf_capacity", "i32"),
+) + ENTRY_SIGNATURE[7:]
+#: The quantizers' entry (``GroupedQuantizer.__call__``); "sf": float32 or uint8 scales.
+QUANTIZE_SIGNATURE: Tuple[tuple, ...] = (
+    ("x", "ptr", "bfloat16", 16),
+    ("offsets", "ptr", "int32", 4),
+    ("q", "ptr", "uint8", 16),
+    ("sf", "ptr", "sf", 16),
+    ("global_scale", "ptr", "float32", 4),
+    ("workspace", "ptr", "int32", 16),
+    ("tokens_sum", "i32"),
+    ("sf_capacity", "i32"),
+    ("tile_bound", "i32"),
+    ("stream", "stream"),
+)
+
+
+def compile_options(arch: str, extra_options: str = "") -> str:
+    """The DSL compile options of a kernel for ``arch`` (no GPU needed: ``--gpu-arch``)."""
+    return f"--gpu-arch {arch} {extra_options}".strip()
+
+
+def entry_signature(spec: Any) -> Tuple[tuple, ...]:
+    """The GEMM entry's signature for a static spec (``gwgrad.spec.StaticSpec``)."""
+    return SCALED_ENTRY_SIGNATURE if spec.is_block_scaled else ENTRY_SIGNATURE
+
+
+def entry_kinds(signature: Sequence[tuple]) -> Tuple[str, ...]:
+    """The kinds of an entry's arguments, as gwgrad.kernel_cache takes them."""
+    return tuple(row[1] for row in signature)
+
+
+def sample_arguments(signature: Sequence[tuple], dtypes: Dict[str, str]) -> list:
+    """Placeholder values of ``signature`` for ``cute.compile`` (types, alignments): a pointer
+    of each "ptr" row's dtype (a name of ``gwgrad.dtypes.DType``, or a key of ``dtypes``
+    naming one), an Int32 for "i32", a stream. Imports the DSL."""
+    import cuda.bindings.driver as cuda_driver
+    import cutlass
+    import cutlass.cute as cute
+
+    from .types import cutlass_type
+
+    samples = []
+    for _name, kind, *rest in signature:
+        if kind == "ptr":
+            dtype, align = rest
+            samples.append(cute.runtime.make_ptr(cutlass_type(dtypes.get(dtype, dtype)), 0,
+                                                 cute.AddressSpace.gmem, assumed_align=align))
+        elif kind == "i32":
+            samples.append(cutlass.Int32(1))
+        else:
+            samples.append(cuda_driver.CUstream(0))
+    return samples
+
+
+def gemm_samples(spec: Any) -> list:
+    """``sample_arguments`` of a static spec's GEMM entry."""
+    sf = spec.sf_dtype.value if spec.sf_dtype is not None else "uint8"
+    named = {"a": spec.a_dtype.value, "b": spec.b_dtype.value,
+             "out": spec.wgrad_dtype.value if spec.output_mode == "dense" else "int64",
+             "sf": sf if sf == "float32" else "uint8"}
+    return sample_arguments(entry_signature(spec), named)
+
+
+def compile_entry(entry: Any, samples: Callable[[], list], options: str) -> Any:
+    """``cute.compile(entry, *samples(), options=options)`` under the process's compile lock,
+    shielded from ``sys.argv`` (which the DSL reads when it compiles), counted in
+    ``compile_count``."""
+    global compile_count
+
+    with _compile_lock, shielded_argv():
+        import cutlass.cute as cute
+
+        fn = cute.compile(entry, *samples(), options=options)
+        compile_count += 1
+    return fn
+
+
+def compile_kernel(kernel: Any, spec: Any, extra_options: str = "") -> Any:
+    """``cute.compile`` of a GEMM ``kernel`` (an object with a ``@cute.jit __call__`` taking
+    ``entry_signature(spec)``) for ``spec.arch``; no cache. The compile tests read the PTX of
+    ``compile_kernel(kernel, spec, "--keep-ptx").artifacts.PTX``."""
+    return compile_entry(kernel, lambda: gemm_samples(spec),
+                         compile_options(spec.arch, extra_options))
+
+
+def compile_quantizer(cfg: Any, arch: str, extra_options: str = "") -> Any:
+    """``cute.compile`` of the quantizer of ``cfg`` (a ``kernels.quantize.QuantizeConfig``)
+    for ``arch``; no cache. ArgumentError when no quantizer implements ``cfg``."""
+    from ..errors import ArgumentError
+    from .quantize import GroupedQuantizer, problem
+
+    bad = problem(cfg)
+    if bad is not None:
+        raise ArgumentError(*bad)
+    sf = "float32" if cfg.recipe != "blocked" else "uint8"
+    return compile_entry(GroupedQuantizer(cfg),
+                         lambda: sample_arguments(QUANTIZE_SIGNATURE, {"sf": sf}),
+                         compile_options(arch, extra_options))

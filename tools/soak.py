@@ -593,8 +593,9 @@ def plan_cache_sizes() -> Dict[str, int]:
 
 def kernel_problems(total: Dict[str, int], after_warmup: Dict[str, int],
                     expected: Dict[str, int]) -> List[str]:
-    """The kernel-count checks: loaded == expected, nothing after the warm-up, GEMM operators
-    constructed once each, every kernel_cache compile a DSL compile."""
+    """The kernel-count checks: loaded == expected, nothing after the warm-up, operators (GEMMs
+    and quantizers: gwgrad.plan) constructed once each, every kernel_cache compile a DSL
+    compile."""
     problems = []
     if total["loaded"] != expected["total"]:
         problems.append(f"{total['loaded']} kernels loaded ({total['compiles']} compiled, "
@@ -602,9 +603,9 @@ def kernel_problems(total: Dict[str, int], after_warmup: Dict[str, int],
                         "distinct spec)")
     if after_warmup["loaded"] or after_warmup["dsl_compile_count"]:
         problems.append(f"kernels loaded after the warm-up: {after_warmup}")
-    if total["operators_constructed"] != expected["gemm"]:
-        problems.append(f"{total['operators_constructed']} GEMM operators constructed, expected "
-                        f"{expected['gemm']}")
+    if total["operators_constructed"] != expected["total"]:
+        problems.append(f"{total['operators_constructed']} operators constructed (GEMMs and "
+                        f"quantizers), expected {expected['total']}")
     if total["dsl_compile_count"] != total["compiles"]:
         problems.append(f"CuTe DSL compiles {total['dsl_compile_count']} != kernel_cache compiles "
                         f"{total['compiles']}")

@@ -13,8 +13,11 @@
   and a stream, nothing else: alignment bits, the device status check, the kernel call.
 
 Every entry point uses these: the contract's wrapper and class (``gwgrad.api``), the torch /
-CuPy adapters (which key plans by their own cheap signatures), ``gwgrad.quantize``, the JAX
-custom call (which compiles through ``finalize``'s backend) and the benchmarks.
+CuPy adapters (which key plans by their own cheap signatures), ``gwgrad.quantize`` and the
+benchmarks. The JAX adapter's custom calls take their kernel from a compiled operator too:
+``ffi_gemm`` / ``ffi_quantizer`` give the operator's XLA FFI module (its workspace, grid and
+options the operator's), kept on disk by gwgrad.kernel_cache, so a JAX process that finds it
+there neither compiles nor imports the CuTe DSL.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import functools
 import threading
 from typing import Any, Dict, Optional, Tuple
 
-from . import backends, cuda, interop, kernel_cache, offsets as offsets_rules, status
+from . import backends, cuda, grid, interop, kernel_cache, offsets as offsets_rules, status
 from .backends.base import Backend, LaunchArgs
+from .dsl import shielded_argv
 from .dtypes import DType
 from .errors import ArgumentError
 from .kernels import compiler
@@ -36,7 +40,8 @@ from .validation import build_spec, check_call, operand_dims, scale_capacity
 __all__ = ["CompiledOperator", "LaunchPlan", "PlanCache", "compile_spec", "plan_for",
            "plan_for_spec", "cache_info", "clear_cache", "workspace_bytes_bound",
            "WORKSPACE_ZEROED_BYTES", "target_arch", "finalize", "QuantizeRequest",
-           "CompiledQuantizer", "QuantizePlan", "compile_quantizer", "quantize_plan"]
+           "CompiledQuantizer", "QuantizePlan", "compile_quantizer", "quantize_plan",
+           "ffi_gemm", "ffi_quantizer", "ffi_status_words"]
 
 
 class PlanCache:
@@ -534,3 +539,97 @@ def quantize_plan(request: QuantizeRequest, tokens_sum: int, device_id: int) -> 
         with _lock:
             _quantize_plans[key] = plan
     return plan
+
+
+# --- XLA FFI modules: an operator's custom call for JAX ---------------------------------------
+
+#: The status block of a GEMM's custom call (kernels/ffi_entry.py): int32 words.
+FFI_STATUS_WORDS = 16
+_Shaped = Tuple[Tuple[int, ...], str]  # (shape, dtype name), a row-major buffer
+
+
+def ffi_status_words(device_id: int = 0) -> Tuple[int, ...]:
+    """The status block's contents before a call (kernels/ffi_entry.py): zeros, and in words
+    8 and 9 (int32, low half first) the address of this process's status record (0 where
+    there is no CUDA device: a lowering with ``CUTE_DSL_ARCH`` set, never run)."""
+    address = status.status_address(device_id) if cuda.device_count() > device_id else 0
+    low, high = address & 0xFFFFFFFF, address >> 32
+    words = [0] * FFI_STATUS_WORDS
+    words[8], words[9] = (w - (1 << 32) if w >= 1 << 31 else w for w in (low, high))
+    return tuple(words)
+
+
+def _shaped(buffers) -> Tuple[_Shaped, ...]:
+    return tuple((tuple(int(d) for d in shape), str(dtype)) for shape, dtype in buffers)
+
+
+def ffi_gemm(request: StaticSpec, operands, tokens_sum: int, ffi_version: int, *,
+             sf_capacity: Optional[int] = None, device_id: int = 0) -> kernel_cache.XlaModule:
+    """The XLA FFI module of the GEMM for ``request`` (tiled for ``tokens_sum`` tokens, two
+    launches: XLA's workspace is not zeroed) from its compiled operator.
+
+    ``operands``: (shape, dtype name) of the caller's arrays a, b, offsets and, block-scaled,
+    sfa, sfb, gsa, gsb, as the custom call receives them (row-major). The call's buffers are
+    those, the status block (int32 (``FFI_STATUS_WORDS``,), ``ffi_status_words``) and, when
+    accumulating, the output; its results the output, the uint8 workspace and the status
+    block (aliased). ``ffi_version``: the FFI target version the installed JAX takes
+    (gwgrad.interop.jax). Compiles only when neither memory nor disk has it."""
+    op = compile_spec(dataclasses.replace(request, launches=2), tokens_sum)
+    spec = op.spec
+    out = ((spec.num_experts, spec.hidden, spec.intermediate), spec.wgrad_dtype.value)
+    block = ((FFI_STATUS_WORDS,), "int32")
+    inputs = _shaped(operands) + _shaped([block] + ([out] if spec.accumulate else []))
+    outputs = _shaped([out, ((op.workspace_bytes,), "uint8"), block])
+    aliases = {len(operands): 2, **({len(operands) + 1: 0} if spec.accumulate else {})}
+    constants = {"tokens_sum": int(tokens_sum),
+                 "grid_size": grid.grid_size_for_arch(op.handle, spec.arch, device_id)}
+    if spec.is_block_scaled:
+        constants["sf_capacity"] = int(sf_capacity)
+    key = (op.backend.cache_key(spec), "gwgrad.kernels.ffi_entry.GemmFfiEntry", inputs,
+           outputs, tuple(sorted(aliases.items())), tuple(sorted(constants.items())),
+           ffi_version)
+    options = op.backend.compile_options(spec)
+
+    def build():  # imports the DSL, which reads sys.argv
+        with shielded_argv():
+            from .kernels.ffi_entry import GemmFfiEntry
+
+            entry = GemmFfiEntry(op.backend.make_kernel(spec))
+        fn = entry.scaled if spec.is_block_scaled else entry.bf16
+        return _checked(compiler.compile_ffi(fn, inputs, outputs, aliases, options, constants,
+                                             key), ffi_version)
+
+    return kernel_cache.load_or_compile_module(key, spec.arch, options, build)
+
+
+def ffi_quantizer(request: QuantizeRequest, tokens_sum: int, sf_capacity: int, outputs,
+                  ffi_version: int) -> kernel_cache.XlaModule:
+    """The XLA FFI module of the quantizer for ``request`` and ``tokens_sum`` tokens: buffers
+    x (tokens, channels) bfloat16 and offsets int32 (experts,); results ``outputs`` (data,
+    scales, global scales: (shape, dtype name) each) and the uint8 workspace."""
+    op = compile_quantizer(request)
+    inputs = _shaped([((tokens_sum, request.channels), "bfloat16"),
+                      ((request.num_experts,), "int32")])
+    outputs = _shaped(list(outputs) + [((max(op.workspace_bytes(tokens_sum), 4),), "uint8")])
+    constants = {"tokens_sum": int(tokens_sum), "sf_capacity": int(sf_capacity),
+                 "tile_bound": op.tile_bound(tokens_sum)}
+    key = (request.key_parts(), "call_tensors", inputs, outputs,
+           tuple(sorted(constants.items())), ffi_version)
+    options = compiler.compile_options(request.arch)
+
+    def build():  # imports the DSL, which reads sys.argv
+        with shielded_argv():
+            from .kernels.quantize import GroupedQuantizer
+
+            kernel = GroupedQuantizer(request.config())
+        return _checked(compiler.compile_ffi(kernel.call_tensors, inputs, outputs, {}, options,
+                                             constants, key), ffi_version)
+
+    return kernel_cache.load_or_compile_module(key, request.arch, options, build)
+
+
+def _checked(built: Dict[str, Any], ffi_version: int) -> Dict[str, Any]:
+    if built["ffi_version"] != ffi_version:
+        raise RuntimeError(f"the CuTe DSL compiled for XLA FFI target version "
+                           f"{built['ffi_version']}, the installed JAX takes {ffi_version}")
+    return built

@@ -2,8 +2,9 @@
 entry's signature and placeholder arguments, and the compile itself.
 
 Every kernel gwgrad compiles goes through ``compile_entry`` (one process-wide lock, shielded from
-``sys.argv``, counted in ``compile_count``): the GEMMs' raw-address entries (``compile_kernel``)
-and the quantizers' (``compile_quantizer``). Kernels compile for the ``--gpu-arch`` option's architecture, so no GPU
+``sys.argv``, counted in ``compile_count``): the GEMMs' raw-address entries (``compile_kernel``),
+the quantizers' (``compile_quantizer``) and the XLA FFI modules of the JAX adapter's custom
+calls (``compile_ffi``). Kernels compile for the ``--gpu-arch`` option's architecture, so no GPU
 is needed. Importing this module imports no DSL (its functions do): gwgrad.plan and the backends
 import it on every path, cached kernels included. (Not ``compile.py``: that name would shadow
 the builtin wherever the module is imported by name.)
@@ -18,7 +19,8 @@ from ..dsl import shielded_argv
 
 __all__ = ["ENTRY_SIGNATURE", "SCALED_ENTRY_SIGNATURE", "QUANTIZE_SIGNATURE", "compile_options",
            "entry_signature", "entry_kinds", "sample_arguments", "gemm_samples",
-           "compile_entry", "compile_kernel", "compile_quantizer", "compile_count"]
+           "compile_entry", "compile_kernel", "compile_quantizer", "compile_ffi",
+           "compile_count"]
 
 _compile_lock = threading.Lock()
 #: How many kernels this process compiled (tests assert that cached operators reuse theirs).
@@ -145,3 +147,72 @@ def compile_quantizer(cfg: Any, arch: str, extra_options: str = "") -> Any:
     return compile_entry(GroupedQuantizer(cfg),
                          lambda: sample_arguments(QUANTIZE_SIGNATURE, {"sf": sf}),
                          compile_options(arch, extra_options))
+
+
+def compile_ffi(fn: Callable[..., None], inputs: Sequence[Tuple[tuple, str]],
+                outputs: Sequence[Tuple[tuple, str]], aliases: Dict[int, int], options: str,
+                constants: Dict[str, int], key: Any) -> Dict[str, Any]:
+    """An XLA FFI module of ``fn`` for the CuTe DSL runtime's JAX custom call target.
+
+    ``fn`` is a ``@cute.jit`` function of ``(stream, *inputs, *outputs)`` (outputs aliased to an
+    input left out: they arrive as that input), with ``constants`` as keyword compile-time
+    constants; ``inputs`` / ``outputs`` are (shape, dtype name) pairs, row-major;
+    ``aliases``: input index -> output index. The DSL's JAX bridge (``cutlass.jax``) builds its
+    function spec and compiles its ``jit_wrapper`` around ``fn`` into an object file
+    (``dump_to_object``); that object is what ``jax.ffi.ffi_call`` passes the target as the
+    ``module`` attribute. Returns ``module`` (bytes) and what the call needs besides:
+    ``target`` and ``ffi_version`` (the target the installed JAX takes), ``results``,
+    ``aliases``, ``input_layouts`` / ``output_layouts`` (JAX's major-to-minor order) and
+    ``runtime`` (the path of the DSL runtime library that implements the target). Imports the
+    DSL and JAX."""
+    global compile_count
+
+    with _compile_lock, shielded_argv():
+        import jax
+        import jax.numpy as jnp
+        import cutlass.jax as cutlass_jax
+        from cutlass.jax import ffi as dsl_ffi
+        from cutlass.jax.compile import build_function_spec, get_or_compile_kernel
+        from cutlass.jax.types import cutlass_to_jax_layout_order, default_tensor_spec
+
+        if not cutlass_jax.is_available():
+            raise RuntimeError("the CuTe DSL's JAX support (cutlass.jax) is unavailable with "
+                               f"this JAX {jax.__version__}; gwgrad's JAX custom calls need it "
+                               "to compile")
+        runtime = dsl_ffi.find_cute_dsl_runtime_library()
+        if not runtime:
+            raise RuntimeError("the CuTe DSL runtime library (libcute_dsl_runtime.so), which "
+                               "implements the JAX custom call, was not found")
+        outs = [jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype)) for shape, dtype in outputs]
+        found = {}
+
+        def trace(*args):  # build_function_spec takes JAX arrays: tracers here
+            found["spec"] = build_function_spec(
+                list(args), jax.tree.structure(tuple(args)), outs,
+                jax.tree.structure(tuple(outs)), tuple(default_tensor_spec(a) for a in args),
+                tuple(default_tensor_spec(o) for o in outs), dict(aliases), options, False,
+                dict(constants))
+            return args[0]
+
+        jax.eval_shape(trace, *(jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+                                for shape, dtype in inputs))
+        spec = found["spec"]
+        result = get_or_compile_kernel(fn, spec, compile_key=key)
+        compile_count += 1
+        version = dsl_ffi.get_cutlass_call_ffi_version()
+        return {
+            "module": bytes(result.module),
+            "target": dsl_ffi.get_cutlass_call_ffi_name(True, version),
+            "ffi_version": version,
+            "results": [[list(shape), str(jnp.dtype(dtype))] for shape, dtype in outputs],
+            "aliases": [[int(i), int(o)] for i, o in spec.input_output_aliases],
+            "input_layouts": [_layout(cutlass_to_jax_layout_order(s.layout))
+                              for s in spec.input_spec],
+            "output_layouts": [_layout(cutlass_to_jax_layout_order(s.layout))
+                               for s in spec.output_spec],
+            "runtime": str(runtime),
+        }
+
+
+def _layout(order: Any) -> Any:
+    return None if order is None else [int(i) for i in order]

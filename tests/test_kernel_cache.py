@@ -729,30 +729,41 @@ def test_a_cached_clustered_kernel_runs_without_the_dsl(cache):
 
 WARM_CHILD = """
 import json, sys
+import numpy as np
 import torch
 import gwgrad
 import gwgrad.adapters.torch as gwt
+from gwgrad.kernels import compiler
 counts = [256] * 8
 x = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16)
 dy = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16)
 offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
 w = gwt.wgrad(x, dy, offsets, out_dtype=torch.float32)
 w2 = gwgrad.grouped_gemm_wgrad(x.T, dy, offsets_tensor=offsets, wgrad_dtype="float32")[0]
+data, scales, _ = gwt.quantize(x, offsets, "mxfp8")
 torch.cuda.synchronize()
 want = torch.stack([x[i:i + 256].double().T @ dy[i:i + 256].double() for i in range(0, 2048, 256)])
 err = max(float((o.double() - want).norm() / want.norm()) for o in (w, w2))
-print(json.dumps({"cutlass": "cutlass" in sys.modules, "err": err,
-                  "cache": gwgrad.kernel_cache.stats()}))
+ref = gwgrad.quantizers.reference_quantize(x.float().cpu().numpy(), offsets.cpu().numpy(),
+                                           "mxfp8")
+same = [np.array_equal(t.view(torch.uint8).cpu().numpy(), r) for t, r in zip((data, scales), ref)]
+print(json.dumps({"cutlass": "cutlass" in sys.modules, "err": err, "quantize_equal": all(same),
+                  "cache": gwgrad.kernel_cache.stats(), "dsl_compiles": compiler.compile_count}))
 """
 
 
 @pytest.mark.gpu
 def test_a_warm_process_never_imports_the_dsl(tmp_path):
-    """The torch adapter and the contract's wrapper in a fresh process whose kernels (a
-    clustered default tiling) and device facts are on disk: a result, no CuTe DSL import."""
+    """The torch adapter (wgrad and quantize) and the contract's wrapper in a fresh process
+    whose kernels (a clustered default tiling, a quantizer) and device facts are on disk: a
+    result, no compile, no CuTe DSL import."""
     pytest.importorskip("torch")
     needs_sm90()
-    run_child(WARM_CHILD, tmp_path)  # compiles, learns the cluster occupancy
+    cold = json.loads(run_child(WARM_CHILD, tmp_path).strip().splitlines()[-1])
+    # At least a GEMM and the quantizer, each compiled once by the DSL.
+    assert cold["cache"]["compiles"] >= 2, cold
+    assert cold["dsl_compiles"] == cold["cache"]["compiles"], cold
     out = json.loads(run_child(WARM_CHILD, tmp_path).strip().splitlines()[-1])
     assert out["cutlass"] is False and out["cache"]["compiles"] == 0, out
-    assert out["err"] < 1e-5, out
+    assert out["dsl_compiles"] == 0 and out["cache"]["disk_hits"] >= 3, out
+    assert out["err"] < 1e-5 and out["quantize_equal"], out

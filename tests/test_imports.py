@@ -200,3 +200,15 @@ def test_importing_the_jax_adapter_imports_no_dsl():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_the_version_is_stated_once():
+    """``__version__`` is assigned in gwgrad/_version.py only; everything else imports it."""
+    assigned = []
+    for path in list(PACKAGE.rglob("*.py")) + list(ADAPTERS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(t, ast.Name) and t.id == "__version__" for t in targets):
+                    assigned.append(str(path.relative_to(PACKAGE.parent)))
+    assert assigned == ["gwgrad/_version.py"]

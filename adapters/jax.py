@@ -11,14 +11,19 @@ N-major ``b_tensor``, so the kernel reads them in place. ``offsets`` is int32
 ``wgrad`` binds one primitive with a lowering per platform, so one jitted function runs
 anywhere:
 
-* CUDA: CuTe DSL's ``cutlass.jax.cutlass_call`` with the kernel's ``call_tensors`` entry
-  (inputs x, dy, offsets and, when accumulating, the output aliased in place; outputs the
-  result and a uint8 workspace that XLA allocates). It runs on XLA's stream, may be captured
-  in CUDA graphs (XLA command buffers), works inside ``shard_map`` (each device its local
-  experts) and never synchronizes with the host. The kernel is compiled when the function is
-  lowered, for ``CUTE_DSL_ARCH`` or else the architecture of CUDA device 0 (a host's GPUs
-  are assumed alike); so lowering for CUDA works without a GPU when ``CUTE_DSL_ARCH`` is set.
-  ``tokens`` is static in JAX: each distinct token count compiles its own kernel.
+* CUDA: an XLA FFI custom call of the CuTe DSL runtime's target with the kernel's XLA FFI
+  module (kernels/ffi_entry.py: inputs x, dy, offsets, a status block and, when accumulating,
+  the output aliased in place; outputs the result, a uint8 workspace that XLA allocates and
+  the status block). The module comes from ``gwgrad.plan.ffi_gemm``: the compiled operator's
+  kernel, grid and compile options, kept on disk by gwgrad.kernel_cache, so a process that
+  finds it there lowers without compiling or importing the CuTe DSL (gwgrad.interop.jax
+  registers the target with ctypes). It runs on XLA's stream, may be captured in CUDA graphs
+  (XLA command buffers), works inside ``shard_map`` (each device its local experts) and never
+  synchronizes with the host. The kernel is found or compiled when the function is lowered,
+  for ``CUTE_DSL_ARCH`` or else the architecture of CUDA device 0 (a host's GPUs are assumed
+  alike); so lowering for CUDA works without a GPU when ``CUTE_DSL_ARCH`` is set. ``tokens``
+  is static in JAX: each distinct token count has its own module (one compiled operator
+  serves them all).
 * CPU: a jnp reference with the same semantics (FP32 accumulation, one rounding), so jitted
   code also runs in CPU-only tests.
 
@@ -38,7 +43,8 @@ contract's K-major ``a_tensor``, ``dyt.T`` its K-major ``b_tensor``), with FP32 
 ``quantize`` is gwgrad's grouped quantizer (gwgrad/quantizers.py) as a third primitive: BF16
 ``x`` (tokens, channels) grouped by ``offsets`` to the block-scaled operands (``(data, scales,
 global_scale)``: FP8 data as ``float8_e4m3fn`` / ``float8_e5m2``, ready for ``wgrad_fp8``).
-On CUDA the CuTe DSL quantizer through ``cutlass_call``; on the CPU the NumPy model
+On CUDA the CuTe DSL quantizer as the same kind of custom call (``gwgrad.plan.ffi_quantizer``);
+on the CPU the NumPy model
 (``gwgrad.quantizers.reference_quantize``, the bit-exact spec) through a host callback.
 
 ``grouped_linear`` is a ``jax.custom_vjp`` example: a grouped expert linear layer whose
@@ -56,7 +62,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -64,10 +70,10 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from gwgrad import backends, cuda, offsets as offsets_rules, status
-from gwgrad.dsl import shielded_argv
+from gwgrad import offsets as offsets_rules, plan, status
 from gwgrad.dtypes import DType, as_dtype
 from gwgrad.errors import NAMED_ERRORS, ArgumentError
+from gwgrad.interop import jax as xla_ffi
 from gwgrad.scales import BLOCK_1X128, BLOCK_TOKENS
 from gwgrad.spec import StaticSpec
 from gwgrad.tensors import TensorDesc
@@ -225,66 +231,38 @@ def _cpu_lowering(ctx, x, dy, offsets, *out, out_dtype, accumulate, a_kmajor=Fal
         ctx, x, dy, offsets, *out)
 
 
-def _kernel_call(request, out_dtype, accumulate: bool, out_input: int, tokens_sum: int,
-                 constants: Callable[[Any], Dict[str, int]] = lambda spec: {}):
-    """The CuTe DSL ``cutlass_call`` of the kernel for ``request`` (a StaticSpec before
-    finalize_spec): outputs (the weight gradients, the workspace); when accumulating, the
-    output comes in as input ``out_input`` and leaves as output 0, in place.
-    ``constants(spec)``: the entry's further constants (the scaled kernels' ``sf_capacity``)."""
-    import cutlass.jax as cutlass_jax
+def _kernel_call(request: StaticSpec, operands: Tuple, tokens_sum: int,
+                 sf_capacity: Optional[int] = None) -> Callable[..., Any]:
+    """The custom call of the GEMM for ``request`` (a StaticSpec before finalize_spec) on
+    buffers of ``operands`` ((shape, dtype) of a, b, offsets and, block-scaled, the four
+    scale arrays), as a function of those arrays (and, when accumulating, the output, which
+    the call updates in place) returning the weight gradients. Its module comes from the
+    compiled operator (``gwgrad.plan.ffi_gemm``: two launches, since XLA's workspace is not
+    zeroed), from disk when cached; the status block holds this process's status record's
+    address (kernels/ffi_entry.py)."""
+    operands = tuple((tuple(int(d) for d in shape), np.dtype(dtype).name)
+                     for shape, dtype in operands)
+    module = plan.ffi_gemm(request, operands, tokens_sum, xla_ffi.ffi_version(),
+                           sf_capacity=sf_capacity)
+    words = np.asarray(plan.ffi_status_words(), np.int32)
+    count = len(operands)
 
-    if not cutlass_jax.is_available():
-        raise RuntimeError("the CuTe DSL's JAX support (cutlass.jax) is unavailable with this "
-                           f"JAX {jax.__version__}; gwgrad's JAX custom call needs it")
-    # Two launches (prep kernel, GEMM): a single launch's grid barrier needs a workspace that
-    # starts zeroed, and XLA's is not.
-    spec, backend = backends.finalize_spec(dataclasses.replace(request, launches=2), tokens_sum)
-    make_kernel = getattr(backend, "make_kernel", None)
-    if make_kernel is None:
-        raise RuntimeError(f"the {backend.name} backend has no JAX entry point yet "
-                           "(make_kernel)")
-    kernel = make_kernel(spec)
-    # The same compiler options as the core's compile of this spec (the kernel time must match).
-    options = getattr(backend, "compile_options", None)
-    options = options(spec) if options is not None else f"--gpu-arch {spec.arch}"
-    outputs = (jax.ShapeDtypeStruct((spec.num_experts, spec.hidden, spec.intermediate),
-                                    out_dtype),
-               jax.ShapeDtypeStruct((backend.workspace_bytes(spec),), jnp.uint8))
-    return cutlass_jax.cutlass_call(
-        kernel.call_tensors,  # GemmEntryPoints / ScaledEntryPoints.call_tensors
-        output_shape_dtype=outputs,
-        input_output_aliases={out_input: 0} if accumulate else None,
-        allow_cuda_graph=True,
-        compile_options=options,
-        # Skips re-tracing the kernel to find it in cutlass_call's cache: the spec (and the
-        # kernel class) determine the kernel; shapes and the constants below are added to
-        # the key by cutlass_call itself.
-        compile_key=("gwgrad", type(kernel).__module__, type(kernel).__qualname__, spec),
-        tokens_sum=tokens_sum,
-        grid_size=backend.grid_size(kernel, spec),
-        status_address=_status_address(),
-        **constants(spec),
-    )
+    def call(*args):
+        block = jnp.asarray(words)
+        return xla_ffi.call(module, *args[:count], block, *args[count:])[0]
+
+    return call
 
 
 @functools.lru_cache(maxsize=None)
-def _cutlass_call(shapes: Tuple, dtypes: Tuple, out_dtype, accumulate: bool, arch: str,
-                  a_kmajor: bool = False, tiling: Tuple = (None, None)):
-    """The cutlass_call for one static signature (built once per process)."""
+def _custom_call(shapes: Tuple, dtypes: Tuple, out_dtype, accumulate: bool, arch: str,
+                 a_kmajor: bool = False, tiling: Tuple = (None, None)):
+    """The custom call for one static signature (built once per process)."""
     (x_shape, dy_shape, off_shape), (x_dtype, dy_dtype, off_dtype) = shapes, dtypes
     request = _spec(x_shape, x_dtype, dy_shape, dy_dtype, off_shape, off_dtype, out_dtype,
                     accumulate, arch, a_kmajor, tiling)
-    # Inputs x, dy, offsets [, out].
     tokens = int(x_shape[1] if a_kmajor else x_shape[0])
-    return _kernel_call(request, out_dtype, accumulate, 3, tokens)
-
-
-def _status_address() -> int:
-    """gwgrad's status record, where the kernel reports invalid offsets (gwgrad/status.py);
-    0 when lowering without a GPU (CUTE_DSL_ARCH set: compile-only, never run)."""
-    if cuda.device_count() == 0:
-        return 0
-    return status.status_address(0)
+    return _kernel_call(request, tuple(zip(shapes, dtypes)), tokens)
 
 
 def _cuda_lowering(ctx, x, dy, offsets, *out, out_dtype, accumulate, a_kmajor=False,
@@ -292,16 +270,14 @@ def _cuda_lowering(ctx, x, dy, offsets, *out, out_dtype, accumulate, a_kmajor=Fa
     avals = ctx.avals_in
     shapes = tuple(tuple(v.shape) for v in avals[:3])
     dtypes = tuple(np.dtype(v.dtype) for v in avals[:3])
-    with shielded_argv():  # the CuTe DSL compiles here and reads sys.argv
-        call = _cutlass_call(shapes, dtypes, np.dtype(out_dtype), accumulate,
-                             backends.detect_arch(0), a_kmajor, tiling)
-        return mlir.lower_fun(lambda *args: call(*args)[0], multiple_results=False)(
-            ctx, x, dy, offsets, *out)
+    call = _custom_call(shapes, dtypes, np.dtype(out_dtype), accumulate, plan.target_arch(0),
+                        a_kmajor, tiling)
+    return mlir.lower_fun(call, multiple_results=False)(ctx, x, dy, offsets, *out)
 
 
 def _register_lowerings(prim, cpu_lowering, cuda_lowering) -> None:
-    """The CPU (NumPy / jnp) and CUDA (cutlass_call) lowerings of one of gwgrad's
-    primitives; like cutlass_call's own primitive, lowering may look at the devices."""
+    """The CPU (NumPy / jnp) and CUDA (custom call) lowerings of one of gwgrad's primitives;
+    lowering may look at the devices (the grid size, the status record)."""
     mlir.register_lowering(prim, cpu_lowering, platform="cpu")
     mlir.register_lowering(prim, cuda_lowering, platform="cuda")
     try:
@@ -319,7 +295,7 @@ def _check_some_gpu_runs(spec: StaticSpec) -> None:
     """A tiling the caller chose must be one some GPU kernel runs (the CPU reference's rule,
     so that jitted code tested on the CPU does not fail on a GPU): ArgumentError naming it."""
     if spec.mma_tiler_mn is not None or spec.cluster_shape_mn is not None:
-        backends.finalize_spec(dataclasses.replace(spec, arch="cpu"))
+        plan.finalize(dataclasses.replace(spec, arch="cpu"))
 
 
 # --- the entry point ------------------------------------------------------------------------
@@ -570,22 +546,21 @@ def _fp8_cpu_lowering(ctx, *args, scale_recipe, out_dtype, accumulate, tiling=(N
 
 
 @functools.lru_cache(maxsize=None)
-def _fp8_cutlass_call(signatures: Tuple, scale_recipe: str, out_dtype, accumulate: bool,
-                      arch: str, tiling: Tuple = (None, None)):
-    """The cutlass_call of one static wgrad_fp8 signature (built once per process)."""
+def _fp8_custom_call(signatures: Tuple, scale_recipe: str, out_dtype, accumulate: bool,
+                     arch: str, tiling: Tuple = (None, None)):
+    """The custom call of one static wgrad_fp8 signature (built once per process)."""
     request, sfa = _fp8_spec(*signatures, scale_recipe=scale_recipe, out_dtype=out_dtype,
                              accumulate=accumulate, arch=arch, tiling=tiling)
-    # Inputs xt, dyt, offsets, x_scale, dy_scale, gx, gdy [, out].
-    return _kernel_call(request, out_dtype, accumulate, 7, int(signatures[0][0][1]),
-                        lambda spec: {"sf_capacity": scale_capacity(spec, sfa)})
+    # Buffers xt, dyt, offsets, x_scale, dy_scale, gx, gdy [, out].
+    return _kernel_call(request, signatures, int(signatures[0][0][1]),
+                        sf_capacity=scale_capacity(request, sfa))
 
 
 def _fp8_cuda_lowering(ctx, *args, scale_recipe, out_dtype, accumulate, tiling=(None, None)):
     signatures = tuple(_signature(v) for v in ctx.avals_in[:7])
-    with shielded_argv():  # the CuTe DSL compiles here and reads sys.argv
-        call = _fp8_cutlass_call(signatures, scale_recipe, np.dtype(out_dtype), accumulate,
-                                 backends.detect_arch(0), tiling)
-        return mlir.lower_fun(lambda *a: call(*a)[0], multiple_results=False)(ctx, *args)
+    call = _fp8_custom_call(signatures, scale_recipe, np.dtype(out_dtype), accumulate,
+                            plan.target_arch(0), tiling)
+    return mlir.lower_fun(call, multiple_results=False)(ctx, *args)
 
 
 _register_lowerings(_wgrad_fp8_p, _fp8_cpu_lowering, _fp8_cuda_lowering)
@@ -812,44 +787,24 @@ def _quantize_cpu_lowering(ctx, x, offsets, *, fmt, elem):
 
 
 @functools.lru_cache(maxsize=None)
-def _quantize_cutlass_call(x: Tuple, offsets: Tuple, fmt: str, elem: Optional[str], arch: str):
-    """The cutlass_call of one static quantize signature (built once per process): the
-    quantizer's ``call_tensors`` entry, inputs x and offsets, outputs the codes, the scales,
-    the global scales (a one-element dummy but for NVFP4) and the uint8 workspace that XLA
-    allocates (the call's tile table and amax records, written by its prep kernel)."""
-    import cutlass.jax as cutlass_jax
-
+def _quantize_custom_call(x: Tuple, offsets: Tuple, fmt: str, elem: Optional[str], arch: str):
+    """The custom call of one static quantize signature (built once per process): the
+    quantizer's ``call_tensors`` entry as an XLA FFI module (``gwgrad.plan.ffi_quantizer``),
+    inputs x and offsets, outputs the codes, the scales, the global scales (a one-element
+    dummy but for NVFP4) and the uint8 workspace that XLA allocates (the call's tile table
+    and amax records, written by its prep kernel)."""
     from gwgrad import quantizers
-    from gwgrad.kernels.quantize import GroupedQuantizer, problem
 
-    if not cutlass_jax.is_available():
-        raise RuntimeError("the CuTe DSL's JAX support (cutlass.jax) is unavailable with this "
-                           f"JAX {jax.__version__}; gwgrad's JAX custom call needs it")
     lay = _quantize_layout(x, offsets, fmt, elem)
     tokens, channels = x[0]
-    experts = offsets[0][0]
-    cfg = quantizers.kernel_config(fmt, lay.elem, channels, experts)
-    bad = problem(cfg)
-    if bad is not None:
-        raise ArgumentError(*bad)
-    kernel = GroupedQuantizer(cfg)
+    request = quantizers.request(fmt, lay.elem, int(channels), int(offsets[0][0]), arch)
     outs = _quantize_outputs(lay)
     if lay.global_shape is None:
         outs.append(((1,), np.dtype(np.float32)))  # the kernel's unused global scale output
-    outs.append(((max(cfg.workspace_bytes(tokens), 4),), np.dtype(np.uint8)))
-    return cutlass_jax.cutlass_call(
-        kernel.call_tensors,
-        output_shape_dtype=tuple(jax.ShapeDtypeStruct(s, d) for s, d in outs),
-        allow_cuda_graph=True,
-        # The core's compile options for the quantizer (gwgrad.quantizers.compile_quantizer).
-        compile_options=f"--gpu-arch {arch}",
-        # The config determines the kernel; shapes and the constants below are added to the
-        # key by cutlass_call itself.
-        compile_key=("gwgrad", type(kernel).__module__, type(kernel).__qualname__, cfg),
-        tokens_sum=tokens,
-        sf_capacity=lay.scale_capacity,
-        tile_bound=cfg.tile_bound(tokens),
-    )
+    module = plan.ffi_quantizer(request, int(tokens), lay.scale_capacity,
+                                [(shape, dtype.name) for shape, dtype in outs],
+                                xla_ffi.ffi_version())
+    return lambda *args: xla_ffi.call(module, *args)
 
 
 def _zero_unwritten_scales(scales, offsets, fmt: str, tokens: int, capacity: int):
@@ -882,17 +837,16 @@ def _zero_unwritten_scales(scales, offsets, fmt: str, tokens: int, capacity: int
 def _quantize_cuda_lowering(ctx, x, offsets, *, fmt, elem):
     xs, offs = (_signature(v) for v in ctx.avals_in)
     lay = _quantize_layout(xs, offs, fmt, elem)
-    with shielded_argv():  # the CuTe DSL compiles here and reads sys.argv
-        call = _quantize_cutlass_call(xs, offs, fmt, elem, backends.detect_arch(0))
+    call = _quantize_custom_call(xs, offs, fmt, elem, plan.target_arch(0))
 
-        def run(x, offsets):
-            data, scales, gs, _workspace = call(x, offsets)
-            if lay.scale_capacity:  # blocked, block_1x128: a capacity past the counts' needs
-                scales = _zero_unwritten_scales(scales, offsets, fmt, xs[0][0],
-                                                lay.scale_capacity)
-            return [data, scales] if lay.global_shape is None else [data, scales, gs]
+    def run(x, offsets):
+        data, scales, gs, _workspace = call(x, offsets)
+        if lay.scale_capacity:  # blocked, block_1x128: a capacity past the counts' needs
+            scales = _zero_unwritten_scales(scales, offsets, fmt, xs[0][0],
+                                            lay.scale_capacity)
+        return [data, scales] if lay.global_shape is None else [data, scales, gs]
 
-        return mlir.lower_fun(run, multiple_results=True)(ctx, x, offsets)
+    return mlir.lower_fun(run, multiple_results=True)(ctx, x, offsets)
 
 
 _register_lowerings(_quantize_p, _quantize_cpu_lowering, _quantize_cuda_lowering)

@@ -76,7 +76,7 @@ try:
     info["cache_info"] = gwgrad.cache_info()
 except Exception as exc:
     info["cache_info"] = repr(exc)
-dsl = sys.modules.get("gwgrad.backends._cutedsl")
+dsl = sys.modules.get("gwgrad.kernels.compiler")
 info["compiled_in_process"] = getattr(dsl, "compile_count", None)
 try:
     from gwgrad import kernel_cache

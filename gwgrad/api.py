@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence, Tuple
 
-from . import backends, cuda, interop, plan as plans
+from . import cuda, interop, plan as plans
 from .dtypes import DType
 from .errors import NAMED_ERRORS, ArgumentError, UnsupportedError
 from .plan import LaunchPlan, cache_info, clear_cache, workspace_bytes_bound
@@ -226,9 +226,9 @@ class GroupedGemmWgrad:
             try:
                 if not request.arch:
                     request = dataclasses.replace(request,
-                                                  arch=backends.detect_arch(self._device_id))
+                                                  arch=plans.target_arch(self._device_id))
                 _sf_override_unsupported(self.sf_fp8_dtype_override, request.arch)
-                self._spec, self._backend = backends.finalize_spec(request, self._sample_tokens)
+                self._spec, self._backend = plans.finalize(request, self._sample_tokens)
             except NAMED_ERRORS as exc:
                 raise exc.renamed(_SAMPLE_NAMES) from None
         return True
@@ -477,7 +477,7 @@ def grouped_gemm_wgrad(
             raise ArgumentError("a_tensor", "expected a tensor, got None")
         _check_sf_override(sf_fp8_dtype_override, a.dtype, None if sfa is None else sfa.dtype)
         _sf_override_unsupported(sf_fp8_dtype_override,
-                                 backends.detect_arch(a.device_id) if a.is_cuda else "cpu")
+                                 plans.target_arch(a.device_id) if a.is_cuda else "cpu")
     if accumulate_on_output and wgrad_tensor is None and wgrad_ptrs is None:
         raise ArgumentError("wgrad_tensor", "expected an initialized output to accumulate into "
                             "(accumulate_on_output=True adds to it), got None")

@@ -22,6 +22,14 @@ The key is a sha256 over gwgrad's version, the installed nvidia-cutlass-dsl vers
 bytes of ``SOURCES`` (what the compiled code depends on), the target arch, the compile options,
 the signature and the caller's key parts.
 
+XLA FFI modules (``load_or_compile_module``): the JAX adapter's custom calls run through the CuTe
+DSL runtime's JAX target, which takes the compiled code as an object file in an attribute of
+the call. Such an entry is ``<key>.xla`` (the object's bytes) and ``<key>.json`` (with what the
+call needs besides: the target's name and FFI version, the results' shapes and dtypes, the
+input-output aliases, the operands' layouts, and the runtime library that implements the
+target), under the same key rules, checks and locks; a fresh process reads it and makes the call
+with JAX and ctypes alone (``gwgrad.interop.jax``).
+
 Calling convention (the DSL's C export, see ``JitCompiledFunction.export_to_c``): every function
 takes ``void **args``: the addresses of storage holding each value. ``_mlir_<prefix>_cuda_init``
 takes (``cudaLibrary_t **``, ``cudaError_t *``); ``_mlir_<prefix>_cuda_load_to_device``
@@ -52,18 +60,22 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 from . import cuda as _cuda
 
-__all__ = ["KernelFunction", "load_or_compile", "entry_key", "cache_dir", "stats",
-           "clear_memory", "remembered", "SOURCES"]
+__all__ = ["KernelFunction", "XlaModule", "load_or_compile", "load_or_compile_module",
+           "entry_key", "cache_dir", "stats", "clear_memory", "remembered", "SOURCES"]
 
 FORMAT = 1
 #: Argument kinds of a signature: an 8-byte pointer, an int32, the CUDA stream (exactly one).
 KINDS = ("ptr", "i32", "stream")
-#: What the compiled code depends on, relative to the gwgrad package: the kernels, the backends'
-#: spec -> kernel config mapping, and the modules those import from (tests check the list).
-SOURCES = ("kernels", "backends", "dtypes.py", "offsets.py", "scales.py", "spec.py")
+#: The signature an XLA FFI module's key is built with (its arguments are the call's buffers).
+MODULE_SIGNATURE = ("xla-ffi",)
+#: What the compiled code depends on, relative to the gwgrad package: the kernels (their
+#: compile, kernels/compiler.py, and JAX entries included), the backends' spec -> kernel config
+#: mapping, and the modules those import from (tests check the list).
+SOURCES = ("kernels", "backends", "dsl.py", "dtypes.py", "errors.py", "offsets.py", "scales.py",
+           "spec.py")
 
 _lock = threading.RLock()
-_memory: Dict[str, "KernelFunction"] = {}
+_memory: Dict[str, Any] = {}  # key -> KernelFunction or XlaModule
 _stats = {"compiles": 0, "memory_hits": 0, "disk_hits": 0, "rebuilds": 0}
 _writable: Dict[Path, bool] = {}  # cache directory -> usable (checked once per process)
 _binaries: Dict[str, "_Binary"] = {}  # .so path -> loaded library (dlopen shares it anyway)
@@ -296,7 +308,7 @@ def _key_lock(directory: Path, key: str) -> Iterator[None]:
 
 def _remove(directory: Path, key: str) -> None:
     """Delete a key's entry (both binary kinds), whatever of it exists."""
-    for suffix in (".json", ".so", ".o"):
+    for suffix in (".json", ".so", ".o", ".xla"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(directory / f"{key}{suffix}")
 
@@ -468,6 +480,165 @@ def _link(obj: bytes) -> Tuple[bytes, str]:
                   f"{result.stderr.strip()[-500:]}); storing the object file, which loading "
                   "needs the CuTe DSL for", RuntimeWarning, stacklevel=4)
     return obj, ".o"
+
+
+# -- XLA FFI modules ----------------------------------------------------------------------------------
+
+
+class XlaModule:
+    """An XLA FFI module from the cache: ``module`` (the object file's bytes), ``fingerprint``
+    (their sha256, the call's ``key`` attribute) and, from its metadata, ``target`` and
+    ``ffi_version``, ``results`` ((shape, dtype name) per result), ``aliases`` ((input, output)
+    pairs), ``input_layouts`` / ``output_layouts`` (JAX's major-to-minor order, or None),
+    ``runtime`` (the library implementing the target) and ``info``."""
+
+    def __init__(self, key: str, module: bytes, meta: Dict[str, Any]):
+        self.key, self.module = key, module
+        self.fingerprint = hashlib.sha256(module).digest()
+        self.target, self.ffi_version = meta["target"], meta["ffi_version"]
+        self.results = tuple((tuple(shape), dtype) for shape, dtype in meta["results"])
+        self.aliases = tuple((int(i), int(o)) for i, o in meta["aliases"])
+        self.input_layouts = tuple(_layout(x) for x in meta["input_layouts"])
+        self.output_layouts = tuple(_layout(x) for x in meta["output_layouts"])
+        self.runtime = meta["runtime"]
+        self.info = meta.get("info") or {}
+
+
+def _layout(order: Any) -> Optional[Tuple[int, ...]]:
+    return None if order is None else tuple(int(i) for i in order)
+
+
+#: Metadata fields of an XLA FFI module that ``compile_fn`` provides (``load_or_compile_module``).
+MODULE_FIELDS = ("target", "ffi_version", "results", "aliases", "input_layouts",
+                 "output_layouts", "runtime")
+
+
+def load_or_compile_module(key_parts: Tuple, arch: str, options: str,
+                           compile_fn: Callable[[], Dict[str, Any]]) -> XlaModule:
+    """The XLA FFI module for these inputs: from memory, from disk (no DSL import), or compiled
+    now. ``compile_fn()`` returns a dict of ``module`` (bytes), the ``MODULE_FIELDS`` and
+    optionally ``info`` (kept with the entry); ``key_parts`` as for ``load_or_compile`` (the
+    call's buffers' shapes and dtypes, its constants and the FFI version belong there)."""
+    key = entry_key(key_parts, arch, options, MODULE_SIGNATURE)
+    with _lock:
+        found = _stored_module(key)
+        if found is None:
+            built = compile_fn()
+            _stats["compiles"] += 1
+            data = bytes(built["module"])
+            meta = {"format": FORMAT, "kind": "xla-ffi", "key": key, "binary": f"{key}.xla",
+                    "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                    "dsl_version": dsl_version(), "info": built.get("info") or {},
+                    "created": time.time(), "arch": arch, "options": options,
+                    **{name: built[name] for name in MODULE_FIELDS}}
+            _check_module_meta(meta)  # what a later process would reject, refused now
+            found = _store_module(key, meta, data)
+            _memory[key] = found
+        return found
+
+
+def lookup_module(key_parts: Tuple, arch: str, options: str) -> Optional[XlaModule]:
+    """The XLA FFI module for these inputs from memory or disk, or None: never compiles."""
+    key = entry_key(key_parts, arch, options, MODULE_SIGNATURE)
+    with _lock:
+        return _stored_module(key)
+
+
+def _stored_module(key: str) -> Optional[XlaModule]:
+    """Memory, then disk (a disk hit is kept in memory); call with _lock held."""
+    found = _memory.get(key)
+    if found is not None:
+        _stats["memory_hits"] += 1
+        return found
+    directory = _usable_cache_dir()
+    if directory is None or not (directory / f"{key}.json").exists():
+        return None
+    try:
+        found = _open_module(directory, key)
+    except _BadEntry:
+        with _key_lock(directory, key):
+            try:  # a writer may just have replaced it
+                found = _open_module(directory, key)
+            except _BadEntry:
+                _remove(directory, key)
+                _stats["rebuilds"] += 1
+                return None
+    _stats["disk_hits"] += 1
+    _memory[key] = found
+    return found
+
+
+def _store_module(key: str, meta: Dict[str, Any], data: bytes) -> XlaModule:
+    """Write the entry (the module, then the metadata that vouches for it) under the key's
+    lock, unless another process stored a good one meanwhile; kept in memory only where the
+    disk cache is off or unwritable."""
+    directory = _usable_cache_dir()
+    if directory is not None:
+        try:
+            with _key_lock(directory, key):
+                with contextlib.suppress(_BadEntry):
+                    return _open_module(directory, key)
+                _remove(directory, key)
+                _write_atomic(directory / meta["binary"], data)
+                _write_atomic(directory / f"{key}.json", json.dumps(meta, indent=1).encode())
+        except OSError as exc:  # disk full, permissions changed...
+            warnings.warn(f"gwgrad kernel cache: writing to {directory} failed ({exc}); this "
+                          "module is kept in memory only", RuntimeWarning, stacklevel=3)
+    return XlaModule(key, data, meta)
+
+
+def _open_module(directory: Path, key: str) -> XlaModule:
+    """Check an XLA FFI module's metadata and bytes; raise _BadEntry saying what is wrong."""
+    try:
+        meta = json.loads((directory / f"{key}.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise _BadEntry(f"unreadable metadata: {exc}") from exc
+    if not isinstance(meta, dict):
+        raise _BadEntry("metadata is not an object")
+    expected = {"format": FORMAT, "kind": "xla-ffi", "key": key, "binary": f"{key}.xla",
+                "dsl_version": dsl_version()}
+    for name, value in expected.items():
+        if meta.get(name) != value:
+            raise _BadEntry(f"metadata {name} is {meta.get(name)!r}, expected {value!r}")
+    _check_module_meta(meta)
+    try:
+        data = (directory / meta["binary"]).read_bytes()
+    except OSError as exc:
+        raise _BadEntry(f"unreadable module: {exc}") from exc
+    if len(data) != meta.get("size") or hashlib.sha256(data).hexdigest() != meta.get("sha256"):
+        raise _BadEntry(f"{meta['binary']} differs from its metadata (size {len(data)})")
+    return XlaModule(key, data, meta)
+
+
+def _check_module_meta(meta: Dict[str, Any]) -> None:
+    """The fields of an XLA FFI module's metadata have their types; the runtime library
+    exists. _BadEntry otherwise."""
+
+    def layouts(value: Any) -> bool:
+        return isinstance(value, list) and all(
+            x is None or (isinstance(x, list) and all(isinstance(i, int) for i in x))
+            for x in value)
+
+    results = meta.get("results")
+    checks = {
+        "target": isinstance(meta.get("target"), str) and bool(meta.get("target")),
+        "ffi_version": meta.get("ffi_version") in (1, 2),
+        "results": isinstance(results, list) and bool(results) and all(
+            isinstance(r, list) and len(r) == 2 and isinstance(r[1], str)
+            and isinstance(r[0], list) and all(isinstance(d, int) and d >= 0 for d in r[0])
+            for r in results),
+        "aliases": isinstance(meta.get("aliases"), list) and all(
+            isinstance(a, list) and len(a) == 2 and all(isinstance(i, int) for i in a)
+            for a in meta.get("aliases")),
+        "input_layouts": layouts(meta.get("input_layouts")),
+        "output_layouts": layouts(meta.get("output_layouts")),
+        "runtime": isinstance(meta.get("runtime"), str),
+    }
+    for name, ok in checks.items():
+        if not ok:
+            raise _BadEntry(f"metadata {name} is {meta.get(name)!r}")
+    if not os.path.isfile(meta["runtime"]):
+        raise _BadEntry(f"the DSL runtime library {meta['runtime']!r} does not exist")
 
 
 # -- loaded binaries and launches ------------------------------------------------------------------

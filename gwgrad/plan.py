@@ -2,7 +2,9 @@
 
 * **compile** — ``compile_spec(request)``: the backend and final tiling for a static spec and
   its compiled kernel, once per process (``CompiledOperator``, cached by spec); the CuTe DSL
-  backends also keep the kernel on disk across processes (``gwgrad.kernel_cache``).
+  backends also keep the kernel on disk across processes (``gwgrad.kernel_cache``). The
+  quantizers likewise: ``compile_quantizer(request)`` (``CompiledQuantizer``, cached by its
+  config and arch), planned per token count (``QuantizePlan``).
 * **plan** — ``plan_for(a, b, offsets, ...)``: a ``LaunchPlan`` per call *signature* (shapes,
   strides, dtypes and devices of every tensor, output kind, modes, tiling, target arch). The
   first call with a signature runs the contract's full check (``ArgumentError`` naming the
@@ -11,8 +13,11 @@
   and a stream, nothing else: alignment bits, the device status check, the kernel call.
 
 Every entry point uses these: the contract's wrapper and class (``gwgrad.api``), the torch /
-CuPy adapters (which key plans by their own cheap signatures), the JAX custom call (which
-compiles through ``compile_spec``'s backend) and the benchmarks.
+CuPy adapters (which key plans by their own cheap signatures), ``gwgrad.quantize`` and the
+benchmarks. The JAX adapter's custom calls take their kernel from a compiled operator too:
+``ffi_gemm`` / ``ffi_quantizer`` give the operator's XLA FFI module (its workspace, grid and
+options the operator's), kept on disk by gwgrad.kernel_cache, so a JAX process that finds it
+there neither compiles nor imports the CuTe DSL.
 """
 
 from __future__ import annotations
@@ -22,17 +27,22 @@ import functools
 import threading
 from typing import Any, Dict, Optional, Tuple
 
-from . import backends, cuda, interop, offsets as offsets_rules, status
+from . import backends, cuda, grid, interop, kernel_cache, offsets as offsets_rules, status
 from .backends.base import Backend, LaunchArgs
+from .dsl import shielded_argv
 from .dtypes import DType
 from .errors import ArgumentError
+from .kernels import compiler
 from .spec import StaticSpec
 from .tensors import TensorDesc
 from .validation import build_spec, check_call, operand_dims, scale_capacity
 
 __all__ = ["CompiledOperator", "LaunchPlan", "PlanCache", "compile_spec", "plan_for",
            "plan_for_spec", "cache_info", "clear_cache", "workspace_bytes_bound",
-           "WORKSPACE_ZEROED_BYTES"]
+           "WORKSPACE_ZEROED_BYTES", "target_arch", "finalize", "QuantizeRequest",
+           "CompiledQuantizer", "QuantizePlan", "compile_quantizer", "quantize_plan",
+           "ffi_gemm", "ffi_quantizer", "ffi_status_words"]
+
 
 class PlanCache:
     """Plans by call signature, the oldest first out past ``maxsize``.
@@ -91,6 +101,7 @@ def clear_cache() -> None:
         _compiled.clear()
         _plans.clear()
         call_plans.clear()
+        _quantize_plans.clear()
 
 
 def count(event: str) -> None:
@@ -111,6 +122,20 @@ class CompiledOperator:
         count("compiled")
 
 
+def target_arch(device_id: int) -> str:
+    """The architecture kernels for CUDA device ``device_id`` compile for: ``CUTE_DSL_ARCH``
+    when set, else the device's (``UnsupportedError`` for one gwgrad has no kernels for,
+    RuntimeError without CUDA)."""
+    return backends.detect_arch(device_id)
+
+
+def finalize(request: StaticSpec, tokens_sum: Optional[int] = None) -> Tuple[StaticSpec, Backend]:
+    """The final spec of ``request`` (the tuning it leaves open filled with the backend's
+    defaults, for ``tokens_sum`` tokens when given) and its backend, support checked: a spec
+    this returns compiles."""
+    return backends.finalize_spec(request, tokens_sum)
+
+
 def compile_spec(request: StaticSpec, tokens_sum: Optional[int] = None) -> CompiledOperator:
     """The compiled operator for ``request`` (tiling None: the backend's default, for
     ``tokens_sum`` tokens when given), compiled once per final spec and process."""
@@ -122,7 +147,7 @@ def compile_spec(request: StaticSpec, tokens_sum: Optional[int] = None) -> Compi
     with _lock:
         op = _compiled.get(request)
         if op is None:
-            spec, backend = backends.finalize_spec(request)
+            spec, backend = finalize(request)
             op = _compiled.get(spec)  # another request may have reached the same final spec
             if op is None:
                 count("constructed")
@@ -399,3 +424,212 @@ def plan_for_spec(operator: CompiledOperator, a: TensorDesc, b: TensorDesc,
         plan = cache[key] = LaunchPlan(operator, a, b, offsets, wgrad, wgrad_ptrs,
                                        tuple(scales.values()))
     return plan
+
+
+# --- the quantizers: compiled per config and arch, planned per token count --------------------
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeRequest:
+    """What a quantizer compiles in (the fields of kernels/quantize.py's ``QuantizeConfig``,
+    named without importing the DSL) and the architecture: its operator's cache key."""
+
+    channels: int
+    num_experts: int
+    recipe: str  # "blocked" | "per_expert_channel" | "block_1x128"
+    elem: str  # "e4m3" | "e5m2" | "e2m1"
+    sf_vec: int
+    count_multiple: int
+    arch: str
+
+    def config(self) -> Any:
+        """The kernel's ``QuantizeConfig`` (imports the DSL)."""
+        from .kernels.quantize import QuantizeConfig
+
+        fields = dataclasses.asdict(self)
+        del fields["arch"]
+        return QuantizeConfig(**fields)
+
+    def key_parts(self) -> Tuple:
+        return ("gwgrad.kernels.quantize.GroupedQuantizer",
+                tuple(sorted(dataclasses.asdict(self).items())))
+
+
+def _quantizer_info(cfg: Any) -> Dict[str, int]:
+    """The workspace rule of ``cfg`` as numbers kept with its kernel: ``workspace_bytes(T) =
+    base + per_tile * tile_bound(T)``, ``tile_bound(T) = ceil(T / tile_tokens) + experts``."""
+    from .kernels.quantize import TILE_TOKENS
+
+    per_tile = cfg.workspace_bytes(TILE_TOKENS) - cfg.workspace_bytes(0)
+    info = {"tile_tokens": TILE_TOKENS, "per_tile": per_tile,
+            "base": cfg.workspace_bytes(0) - per_tile * cfg.tile_bound(0)}
+    for tokens in (0, 1, TILE_TOKENS + 1, 4096):  # the rule restated must be the kernel's
+        assert cfg.tile_bound(tokens) == -(-tokens // TILE_TOKENS) + cfg.num_experts
+        assert cfg.workspace_bytes(tokens) == info["base"] + per_tile * cfg.tile_bound(tokens)
+    return info
+
+
+class CompiledQuantizer:
+    """A quantizer compiled for a ``QuantizeRequest``: its kernel (``KernelFunction``, from
+    gwgrad.kernel_cache) and its workspace rule, both known without the DSL once cached."""
+
+    def __init__(self, request: QuantizeRequest):
+        self.request = request
+        options = compiler.compile_options(request.arch)
+
+        def build():
+            cfg = request.config()
+            return compiler.compile_quantizer(cfg, request.arch), _quantizer_info(cfg)
+
+        self.kernel = kernel_cache.load_or_compile(
+            request.key_parts(), request.arch, options,
+            compiler.entry_kinds(compiler.QUANTIZE_SIGNATURE), build)
+        info = self.kernel.info
+        self.tile_tokens, self.per_tile, self.base = (int(info[k]) for k in (
+            "tile_tokens", "per_tile", "base"))
+        count("compiled")
+
+    def tile_bound(self, tokens_sum: int) -> int:
+        """Tile rows of a call's grid: enough for any counts."""
+        return -(-tokens_sum // self.tile_tokens) + self.request.num_experts
+
+    def workspace_bytes(self, tokens_sum: int) -> int:
+        return self.base + self.per_tile * self.tile_bound(tokens_sum)
+
+
+def compile_quantizer(request: QuantizeRequest) -> CompiledQuantizer:
+    """The compiled quantizer for ``request``, once per process (and on disk)."""
+    op = _compiled.get(request)
+    if op is None:
+        with _lock:
+            op = _compiled.get(request)
+            if op is None:
+                count("constructed")
+                op = _compiled[request] = CompiledQuantizer(request)
+    return op
+
+
+class QuantizePlan:
+    """A compiled quantizer bound to a token count and a device: ``launch(stream, x, offsets,
+    data, scales, global_scale, workspace, sf_capacity)`` takes addresses (``global_scale``
+    0 but for NVFP4) and a workspace of ``workspace_bytes``."""
+
+    def __init__(self, operator: CompiledQuantizer, tokens_sum: int, device_id: int):
+        self.operator = operator
+        self.tokens_sum = tokens_sum
+        self.tile_bound = operator.tile_bound(tokens_sum)
+        self.workspace_bytes = operator.workspace_bytes(tokens_sum)
+        self._launch = operator.kernel.bound(device_id)
+        count("plans")
+
+    def launch(self, stream: int, x: int, offsets: int, data: int, scales: int,
+               global_scale: int, workspace: int, sf_capacity: int) -> None:
+        self._launch(stream, x, offsets, data, scales, global_scale, workspace, self.tokens_sum,
+                     sf_capacity, self.tile_bound)
+
+
+_quantize_plans = PlanCache()
+
+
+def quantize_plan(request: QuantizeRequest, tokens_sum: int, device_id: int) -> QuantizePlan:
+    """The plan of a quantizer call of ``tokens_sum`` tokens on CUDA device ``device_id``."""
+    key = (request, tokens_sum, device_id)
+    plan = _quantize_plans.get(key)
+    if plan is None:
+        plan = QuantizePlan(compile_quantizer(request), tokens_sum, device_id)
+        with _lock:
+            _quantize_plans[key] = plan
+    return plan
+
+
+# --- XLA FFI modules: an operator's custom call for JAX ---------------------------------------
+
+#: The status block of a GEMM's custom call (kernels/ffi_entry.py): int32 words.
+FFI_STATUS_WORDS = 16
+_Shaped = Tuple[Tuple[int, ...], str]  # (shape, dtype name), a row-major buffer
+
+
+def ffi_status_words(device_id: int = 0) -> Tuple[int, ...]:
+    """The status block's contents before a call (kernels/ffi_entry.py): zeros, and in words
+    8 and 9 (int32, low half first) the address of this process's status record (0 where
+    there is no CUDA device: a lowering with ``CUTE_DSL_ARCH`` set, never run)."""
+    address = status.status_address(device_id) if cuda.device_count() > device_id else 0
+    low, high = address & 0xFFFFFFFF, address >> 32
+    words = [0] * FFI_STATUS_WORDS
+    words[8], words[9] = (w - (1 << 32) if w >= 1 << 31 else w for w in (low, high))
+    return tuple(words)
+
+
+def _shaped(buffers) -> Tuple[_Shaped, ...]:
+    return tuple((tuple(int(d) for d in shape), str(dtype)) for shape, dtype in buffers)
+
+
+def ffi_gemm(request: StaticSpec, operands, tokens_sum: int, ffi_version: int, *,
+             sf_capacity: Optional[int] = None, device_id: int = 0) -> kernel_cache.XlaModule:
+    """The XLA FFI module of the GEMM for ``request`` (tiled for ``tokens_sum`` tokens, two
+    launches: XLA's workspace is not zeroed) from its compiled operator.
+
+    ``operands``: (shape, dtype name) of the caller's arrays a, b, offsets and, block-scaled,
+    sfa, sfb, gsa, gsb, as the custom call receives them (row-major). The call's buffers are
+    those, the status block (int32 (``FFI_STATUS_WORDS``,), ``ffi_status_words``) and, when
+    accumulating, the output; its results the output, the uint8 workspace and the status
+    block (aliased). ``ffi_version``: the FFI target version the installed JAX takes
+    (gwgrad.interop.jax). Compiles only when neither memory nor disk has it."""
+    op = compile_spec(dataclasses.replace(request, launches=2), tokens_sum)
+    spec = op.spec
+    out = ((spec.num_experts, spec.hidden, spec.intermediate), spec.wgrad_dtype.value)
+    block = ((FFI_STATUS_WORDS,), "int32")
+    inputs = _shaped(operands) + _shaped([block] + ([out] if spec.accumulate else []))
+    outputs = _shaped([out, ((op.workspace_bytes,), "uint8"), block])
+    aliases = {len(operands): 2, **({len(operands) + 1: 0} if spec.accumulate else {})}
+    constants = {"tokens_sum": int(tokens_sum),
+                 "grid_size": grid.grid_size_for_arch(op.handle, spec.arch, device_id)}
+    if spec.is_block_scaled:
+        constants["sf_capacity"] = int(sf_capacity)
+    key = (op.backend.cache_key(spec), "gwgrad.kernels.ffi_entry.GemmFfiEntry", inputs,
+           outputs, tuple(sorted(aliases.items())), tuple(sorted(constants.items())),
+           ffi_version)
+    options = op.backend.compile_options(spec)
+
+    def build():  # imports the DSL, which reads sys.argv
+        with shielded_argv():
+            from .kernels.ffi_entry import GemmFfiEntry
+
+            entry = GemmFfiEntry(op.backend.make_kernel(spec))
+        fn = entry.scaled if spec.is_block_scaled else entry.bf16
+        return _checked(compiler.compile_ffi(fn, inputs, outputs, aliases, options, constants,
+                                             key), ffi_version)
+
+    return kernel_cache.load_or_compile_module(key, spec.arch, options, build)
+
+
+def ffi_quantizer(request: QuantizeRequest, tokens_sum: int, sf_capacity: int, outputs,
+                  ffi_version: int) -> kernel_cache.XlaModule:
+    """The XLA FFI module of the quantizer for ``request`` and ``tokens_sum`` tokens: buffers
+    x (tokens, channels) bfloat16 and offsets int32 (experts,); results ``outputs`` (data,
+    scales, global scales: (shape, dtype name) each) and the uint8 workspace."""
+    op = compile_quantizer(request)
+    inputs = _shaped([((tokens_sum, request.channels), "bfloat16"),
+                      ((request.num_experts,), "int32")])
+    outputs = _shaped(list(outputs) + [((max(op.workspace_bytes(tokens_sum), 4),), "uint8")])
+    constants = {"tokens_sum": int(tokens_sum), "sf_capacity": int(sf_capacity),
+                 "tile_bound": op.tile_bound(tokens_sum)}
+    key = (request.key_parts(), "call_tensors", inputs, outputs,
+           tuple(sorted(constants.items())), ffi_version)
+    options = compiler.compile_options(request.arch)
+
+    def build():  # imports the DSL, which reads sys.argv
+        with shielded_argv():
+            from .kernels.quantize import GroupedQuantizer
+
+            kernel = GroupedQuantizer(request.config())
+        return _checked(compiler.compile_ffi(kernel.call_tensors, inputs, outputs, {}, options,
+                                             constants, key), ffi_version)
+
+    return kernel_cache.load_or_compile_module(key, request.arch, options, build)
+
+
+def _checked(built: Dict[str, Any], ffi_version: int) -> Dict[str, Any]:
+    if built["ffi_version"] != ffi_version:
+        raise RuntimeError(f"the CuTe DSL compiled for XLA FFI target version "
+                           f"{built['ffi_version']}, the installed JAX takes {ffi_version}")
+    return built

@@ -29,23 +29,23 @@ any valid counts (``round_up(ceil(T / sf_vec) + 3E, 4)`` blocked columns, ``ceil
 1x128 rows);
 the kernels never write past a given scale tensor.
 
-Paths: CUDA arrays run the CuTe DSL kernels of gwgrad/kernels/quantize.py (compiled once per
-(channels, experts, format, arch) through gwgrad.kernel_cache; any token count); CPU arrays run
-the NumPy model (``reference_quantize``).
+Paths: CUDA arrays run the CuTe DSL kernels of gwgrad/kernels/quantize.py through gwgrad.plan
+(compiled once per (channels, experts, format, arch), kept on disk by gwgrad.kernel_cache; any
+token count; a cached kernel runs without importing the DSL); CPU arrays run the NumPy model
+(``reference_quantize``).
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
-from . import formats, interop, kernel_cache, scales as sc
+from . import formats, interop, plan, scales as sc
 from .api import TupleDict
 from .dtypes import DType
-from .errors import ArgumentError, fail
+from .errors import fail
 from .tensors import TensorDesc
 from .validation import check_aligned
 
@@ -221,62 +221,26 @@ def reference_quantize(x: Any, offsets: Any, fmt: str, elem: Optional[str] = Non
 
 # --- the GPU path -------------------------------------------------------------------------------
 
-SIGNATURE = ("ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "stream")
-_lock = threading.Lock()
-_kernels: Dict[Tuple[Any, str], Any] = {}
+def request(fmt: str, elem: str, channels: int, num_experts: int,
+            arch: str) -> plan.QuantizeRequest:
+    """The quantizer kernel of a call, as gwgrad.plan keys its compiled operator."""
+    f = _format(fmt)
+    return plan.QuantizeRequest(channels=channels, num_experts=num_experts, recipe=f.recipe,
+                                elem=elem, sf_vec=f.sf_vec, count_multiple=count_multiple(fmt),
+                                arch=arch)
 
 
 def kernel_config(fmt: str, elem: str, channels: int, num_experts: int):
-    from .kernels.quantize import QuantizeConfig
-
-    f = _format(fmt)
-    return QuantizeConfig(channels=channels, num_experts=num_experts, recipe=f.recipe, elem=elem,
-                          sf_vec=f.sf_vec, count_multiple=count_multiple(fmt))
+    """The kernel's ``QuantizeConfig`` of a call (imports the DSL)."""
+    return request(fmt, elem, channels, num_experts, "").config()
 
 
 def compile_quantizer(cfg, arch: str, extra_options: str = "") -> Any:
     """``cute.compile`` of the quantizer of ``cfg`` for ``arch`` (no cache; the compile tests
     read ``.artifacts.PTX`` with ``extra_options="--keep-ptx"``)."""
-    from .backends import _cutedsl
-    from .kernels.quantize import GroupedQuantizer, problem
+    from .kernels import compiler
 
-    bad = problem(cfg)
-    if bad is not None:
-        raise ArgumentError(*bad)
-
-    def samples() -> list:
-        """Placeholder values of SIGNATURE (types and alignments)."""
-        import cuda.bindings.driver as cuda_driver
-        import cutlass
-        import cutlass.cute as cute
-
-        def ptr(dtype, align):
-            return cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
-
-        sf = cutlass.Float32 if cfg.recipe != sc.BLOCKED else cutlass.Uint8
-        return [ptr(cutlass.BFloat16, 16), ptr(cutlass.Int32, 4), ptr(cutlass.Uint8, 16),
-                ptr(sf, 16), ptr(cutlass.Float32, 4), ptr(cutlass.Int32, 16), cutlass.Int32(1),
-                cutlass.Int32(1), cutlass.Int32(1), cuda_driver.CUstream(0)]
-
-    return _cutedsl.compile_entry(GroupedQuantizer(cfg), samples,
-                                  _cutedsl.compile_options_for(arch, extra_options))
-
-
-def _kernel(cfg, arch: str):
-    key = (cfg, arch)
-    kernel = _kernels.get(key)
-    if kernel is None:
-        from .backends import _cutedsl
-
-        with _lock:
-            kernel = _kernels.get(key)
-            if kernel is None:
-                kernel = kernel_cache.load_or_compile(
-                    ("gwgrad.kernels.quantize.GroupedQuantizer", repr(cfg)), arch,
-                    _cutedsl.compile_options_for(arch), SIGNATURE,
-                    lambda: (compile_quantizer(cfg, arch), {}))
-                _kernels[key] = kernel
-    return kernel
+    return compiler.compile_quantizer(cfg, arch, extra_options)
 
 
 def _check(desc: Optional[TensorDesc], name: str, shape, dtypes, x: TensorDesc,
@@ -370,28 +334,24 @@ def quantize(x: Any, offsets: Any, fmt: str, *, elem: Optional[str] = None, data
         for name, d, nbytes in (("x", xd, 16), ("data", data_d, 16), ("scales", scales_d, 16),
                                 ("offsets", od, 4), ("global_scale", gs_d, 4)):
             check_aligned(d, name, nbytes)
-        from .backends import detect_arch
         from .errors import UnsupportedError
 
         try:
-            arch = detect_arch(xd.device_id)
+            arch = plan.target_arch(xd.device_id)
         except UnsupportedError as exc:  # named after the GEMM's a_tensor: here it is x
             raise exc.renamed({"a_tensor": "x"}) from None
-        cfg = kernel_config(fmt, elem, channels, experts)
-        kernel = _kernel(cfg, arch)
+        # Tile rows (>= 1: with no tokens, row 0 still writes the empty experts' scales).
+        call = plan.quantize_plan(request(fmt, elem, channels, experts, arch), tokens,
+                                  xd.device_id)
         # Workspace (the tile table, amaxes): torch's allocator when x is torch's (CUDA-graph
         # capturable), else gwgrad's per-stream buffer (grow it before a capture).
-        nbytes = cfg.workspace_bytes(tokens)
         torch_ = interop.framework("torch") if xd.framework == "torch" else None
         if torch_ is not None:
-            ws = torch_.workspace(xd.device_id, stream_h, nbytes, "quantize")
+            ws = torch_.workspace(xd.device_id, stream_h, call.workspace_bytes, "quantize")
         else:
-            ws = interop.workspace(xd.device_id, stream_h, nbytes, "quantize")
-        # Tile rows (>= 1: with no tokens, row 0 still writes the empty experts' scales).
-        tile_bound = cfg.tile_bound(tokens)
-        kernel.launch(xd.device_id, stream_h, xd.ptr, od.ptr, data_d.ptr, scales_d.ptr,
-                      gs_d.ptr if gs_d is not None else 0, ws, tokens, lay.scale_capacity,
-                      tile_bound)
+            ws = interop.workspace(xd.device_id, stream_h, call.workspace_bytes, "quantize")
+        call.launch(stream_h, xd.ptr, od.ptr, data_d.ptr, scales_d.ptr,
+                    gs_d.ptr if gs_d is not None else 0, ws, lay.scale_capacity)
         for d in (data_d, scales_d, gs_d):
             interop.keep_alive(d, stream_h)
     return TupleDict(data=data_out, scales=scales_out, global_scale=gs_out)

@@ -14,7 +14,7 @@ import pytest
 
 import gwgrad
 from gwgrad import DType, from_pointer, status
-from gwgrad.backends import _cutedsl
+from gwgrad.backends import CuteDslBackend
 from gwgrad.plan import workspace_bytes_bound
 
 H, N, E, T = 128, 128, 2, 256  # hidden, intermediate, experts, tokens (two experts of 128)
@@ -134,13 +134,13 @@ def stand_in(monkeypatch):
     size; the launcher records its arguments; a kernel counts as compiled before (so the
     kernel modules' predicates, which import the DSL, are not asked). No CUDA is touched."""
     launches = Launches()
-    monkeypatch.setattr(_cutedsl.CuteDslBackend, "compile", lambda self, spec: (
+    monkeypatch.setattr(CuteDslBackend, "compile", lambda self, spec: (
         self.check_support(spec), _Compiled(spec))[1])
-    monkeypatch.setattr(_cutedsl.CuteDslBackend, "compiled_before", lambda self, spec: True)
-    monkeypatch.setattr(_cutedsl.CuteDslBackend, "workspace_bytes",
+    monkeypatch.setattr(CuteDslBackend, "compiled_before", lambda self, spec: True)
+    monkeypatch.setattr(CuteDslBackend, "workspace_bytes",
                         lambda self, spec: workspace_bytes_bound(spec.num_experts,
                                                                  spec.output_mode))
-    monkeypatch.setattr(_cutedsl.CuteDslBackend, "launcher",
+    monkeypatch.setattr(CuteDslBackend, "launcher",
                         lambda self, compiled, spec, device: (
                             lambda *values: launches.calls.append(values)))
     ctypes.memset(_record, 0, ctypes.sizeof(_record))

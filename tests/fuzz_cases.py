@@ -1270,9 +1270,9 @@ def run_all(cases: Sequence[Case], device: str = "cuda", *, log_path: Optional[s
     every failing case's record). Stops after a fatal CUDA error (the rest are "not run").
     ``log_path``: write every record and the summary as JSON there. ``echo``: a function that
     gets a line per failing case."""
-    from gwgrad.backends import _cutedsl
+    from gwgrad.kernels import compiler
 
-    compiles_before = _cutedsl.compile_count
+    compiles_before = compiler.compile_count
     operators: dict = {}
     records: List[dict] = []
     start = time.perf_counter()
@@ -1302,7 +1302,7 @@ def run_all(cases: Sequence[Case], device: str = "cuda", *, log_path: Optional[s
         "line": line, "cases": len(records), "specs": specs, "mismatches": mismatches,
         "guard_writes": guards, "seconds": round(seconds, 2), "master_seed": master,
         "device": device, "not_run": not_run,
-        "compiles": _cutedsl.compile_count - compiles_before,
+        "compiles": compiler.compile_count - compiles_before,
         "invalid_cases": sum(1 for r in records if r["invalid"]),
         "failures": [r for r in records if not r["ok"]],
     }

@@ -26,3 +26,12 @@ def module_marks(timeout_s: int) -> list:
         timeout = []
     return [pytest.mark.gpu, pytest.mark.skipif(not gpus(), reason="needs JAX with a CUDA GPU"),
             *timeout]
+
+
+def timeout(seconds: int):
+    """A test's own timeout (over its module's), where pytest-timeout is installed."""
+    try:
+        import pytest_timeout  # noqa: F401
+    except ImportError:
+        return lambda test: test
+    return pytest.mark.timeout(seconds)

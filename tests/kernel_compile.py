@@ -42,13 +42,14 @@ def fp8_spec(arch, recipe, *, a="e4m3", b="e4m3", global_scales=False, **kw):
 
 def compile_ptx(s: StaticSpec) -> str:
     """Finalize the tiling with the backend's defaults, check support, compile, return PTX."""
-    from gwgrad.backends import _cutedsl, finalize_spec
+    from gwgrad.backends import finalize_spec
+    from gwgrad.kernels import compiler
 
     s, backend = finalize_spec(s)
     kernel = backend.make_kernel(s)
     # The same compile as the backend's (never from the kernel cache), keeping the PTX.
     with private_dump_dir() as options:
-        ptx = _cutedsl.compile_kernel(kernel, s, extra_options=options).artifacts.PTX
+        ptx = compiler.compile_kernel(kernel, s, extra_options=options).artifacts.PTX
     assert ptx and ".entry" in ptx
     return ptx
 

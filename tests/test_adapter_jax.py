@@ -145,8 +145,16 @@ texts = {
     "both": f.trace(x, dy, offsets).lower(lowering_platforms=("cpu", "cuda")).as_text(),
     "cpu": f.trace(x, dy, offsets).lower(lowering_platforms=("cpu",)).as_text(),
 }
-json.dump(texts, sys.stdout)
+from gwgrad import kernel_cache
+json.dump({"texts": texts, "cutlass": "cutlass" in sys.modules,
+           "compiles": kernel_cache.stats()["compiles"]}, sys.stdout)
 """
+
+
+def _call_types(call: str):
+    """(operand types, result types) of a custom call line."""
+    inputs, results = call.rstrip().rsplit(": (", 1)[1].split(") -> (")
+    return inputs.split(", "), results.rstrip(")").split(", ")
 
 
 def _custom_calls(text: str):
@@ -157,52 +165,66 @@ def _custom_calls(text: str):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_cuda_lowering_without_a_gpu_holds_the_custom_call(arch):
+def test_cuda_lowering_without_a_gpu_holds_the_custom_call(arch, tmp_path):
+    """The lowered custom call, then the same lowering in a fresh process whose kernels are in
+    the disk cache: no compile, no CuTe DSL import, the same call (module bytes and all)."""
     # A process of its own: CUTE_DSL_ARCH must be set before the CuTe DSL is first imported
     # on a machine without a GPU (the DSL reads it once, at import).
-    env = dict(os.environ, PYTHONPATH=_pythonpath(), CUTE_DSL_ARCH=arch, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", LOWER_FOR_CUDA], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    texts = json.loads(proc.stdout)
+    env = dict(os.environ, PYTHONPATH=_pythonpath(), CUTE_DSL_ARCH=arch, JAX_PLATFORMS="cpu",
+               GWGRAD_CACHE_DIR=str(tmp_path))
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", LOWER_FOR_CUDA], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout))
+    cold, warm = runs
+    assert cold["compiles"] == 4 and cold["cutlass"]  # two operators, two FFI modules
+    assert warm["compiles"] == 0 and not warm["cutlass"], warm
+    texts = cold["texts"]
+    assert {k: _custom_calls(t) for k, t in warm["texts"].items()} == \
+        {k: _custom_calls(t) for k, t in texts.items()}
     calls = _custom_calls(texts["dense"])
     assert len(calls) == 1 and "CuteDSLRT_NvJaxCutlassCall" in calls[0]
     assert "NoCudaGraph" not in calls[0]  # allowed in CUDA graphs
-    assert "tensor<4x256x256xf32>" in texts["dense"]  # the output...
-    assert "xui8>" in texts["dense"]                  # ...and the uint8 workspace XLA allocates
+    # x, dy, offsets and the status block (kernels/ffi_entry.py); the output, the uint8
+    # workspace XLA allocates and the status block, aliased to its input.
+    inputs, results = _call_types(calls[0])
+    assert inputs == ["tensor<1024x256xbf16>", "tensor<1024x256xbf16>", "tensor<4xi32>",
+                      "tensor<16xi32>"], inputs
+    assert results[0] == "tensor<4x256x256xf32>" and results[1].endswith("xui8>")
+    assert results[2] == "tensor<16xi32>" and "output_operand_aliases" in calls[0]
     # Accumulating: the output buffer is an input aliased to the result.
-    assert len(_custom_calls(texts["accumulate"])) == 1
-    assert "output_operand_aliases" in texts["accumulate"]
+    calls = _custom_calls(texts["accumulate"])
+    assert len(calls) == 1 and _call_types(calls[0])[0][-1] == "tensor<4x256x256xf32>"
+    assert calls[0].count("output_operand_alias<") == 2  # the status block and the output
     # One function for both platforms: the custom call in the CUDA branch only.
     assert len(_custom_calls(texts["both"])) == 1 and not _custom_calls(texts["cpu"])
 
 
 def test_the_custom_call_tiles_for_its_static_tokens(monkeypatch):
-    """Under jit the token count is static: the custom call's kernel is finalized with it, so
-    JAX gets the same tokens-aware tiling as the core and the other adapters
-    (Backend.tiling_for_tokens)."""
-    pytest.importorskip("cutlass")
-    import cutlass.jax as cutlass_jax
-
-    if not cutlass_jax.is_available():
-        pytest.skip("the CuTe DSL's JAX support is unavailable with this JAX")
-    from gwgrad import backends
+    """Under jit the token count is static: the custom call's module comes from the operator
+    compiled for it (gwgrad.plan.compile_spec with tokens_sum), so JAX gets the same
+    tokens-aware tiling as the core and the other adapters (Backend.tiling_for_tokens), in
+    two launches (XLA's workspace is not zeroed)."""
+    from gwgrad import plan
 
     seen = []
 
     class Seen(Exception):
         pass
 
-    def finalize(request, tokens_sum=None):
-        seen.append((request.hidden, tokens_sum))
+    def compile_spec(request, tokens_sum=None):
+        seen.append((request.hidden, request.launches, tokens_sum))
         raise Seen
 
-    monkeypatch.setattr(backends, "finalize_spec", finalize)
+    monkeypatch.setattr(plan, "compile_spec", compile_spec)
     request = gwj._spec((768, 256), jnp.bfloat16, (768, 128), jnp.bfloat16, (3,), jnp.int32,
                         jnp.bfloat16, False, "sm_90a")
+    operands = (((768, 256), jnp.bfloat16), ((768, 128), jnp.bfloat16), ((3,), jnp.int32))
     with pytest.raises(Seen):
-        gwj._kernel_call(request, jnp.bfloat16, False, 3, 768)
-    assert seen == [(256, 768)]
+        gwj._kernel_call(request, operands, 768)
+    assert seen == [(256, 2, 768)]
 
 
 def test_grouped_linear_grad_matches_autodiff(rng):
@@ -512,8 +534,11 @@ def test_fp8_cuda_lowering_without_a_gpu_holds_the_custom_call(recipe):
     calls = _custom_calls(texts["dense"])
     assert len(calls) == 1 and "CuteDSLRT_NvJaxCutlassCall" in calls[0]
     assert "NoCudaGraph" not in calls[0]
-    # xt, dyt, offsets, x_scale, dy_scale and the two global scales (ones when absent)
-    assert calls[0].count("%arg") >= 7
+    # xt, dyt, offsets, x_scale, dy_scale, the two global scales (ones when absent) and the
+    # status block; results the output, the workspace and the status block (aliased).
+    inputs, results = _call_types(calls[0])
+    assert len(inputs) == 8 and inputs[-1] == "tensor<16xi32>", inputs
+    assert results == ["tensor<4x256x384xf32>", results[1], "tensor<16xi32>"], results
     assert "tensor<4x256x384xf32>" in texts["dense"] and "xui8>" in texts["dense"]
     assert "f8E4M3FN" in texts["dense"] and "f8E5M2" in texts["dense"]
     assert len(_custom_calls(texts["accumulate"])) == 1

@@ -1,6 +1,7 @@
 """gwgrad.adapters.jax on GPUs: the custom call under jit against the reference (accumulate
-included), with XLA's CUDA graphs (command buffers) enabled, under jax.grad, and inside
-shard_map on two GPUs. Small shapes."""
+included), invalid offsets reported through its status block, a fresh process running it
+from the disk cache without the CuTe DSL, with XLA's CUDA graphs (command buffers) enabled,
+under jax.grad, and inside shard_map on two GPUs. Small shapes."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import gwgrad.adapters.jax as gwj  # noqa: E402
-from jax_gpu import gpus, module_marks  # noqa: E402
+from jax_gpu import gpus, module_marks, timeout  # noqa: E402
 
 pytestmark = module_marks(120)
 
@@ -95,6 +96,97 @@ def _run(code: str, env_extra: dict) -> str:
                           capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
+
+
+def test_invalid_offsets_are_reported_through_the_status_block(rng):
+    """The custom call's prep kernel records invalid offsets in the call's status block and
+    forwards them to this process's status record (kernels/ffi_entry.py): check_errors raises
+    naming offsets_tensor, the accumulated output is unchanged; the block starts from zero at
+    every call (a valid call after an invalid one reports nothing), also in one executable."""
+    import gwgrad
+
+    x, dy, offsets = inputs(rng)
+    base = jnp.asarray(rng.standard_normal((5, HIDDEN, INTER)), jnp.float32)
+    acc = jax.jit(lambda x, dy, o, out: gwj.wgrad(x, dy, o, out=out, accumulate=True))
+    gwgrad.check_errors()
+    bad = offsets.at[-1].add(-1)  # the last offset is not tokens_sum
+    for _ in range(2):
+        w = acc(x, dy, bad, base)
+        np.testing.assert_array_equal(np.asarray(w), np.asarray(base))  # nothing written
+        with pytest.raises(ValueError, match=r"^offsets_tensor: .*last offset"):
+            gwgrad.check_errors()
+        w = acc(x, dy, offsets, base)
+        assert rel_err(w, reference(x, dy, offsets) + np.asarray(base, np.float64)) < 1e-5
+        gwgrad.check_errors()  # nothing recorded: the block was zero again
+
+
+WARM_JAX_CHILD = """
+import json, sys
+import numpy as np, jax, jax.numpy as jnp
+import gwgrad
+import gwgrad.adapters.jax as gwj
+from gwgrad import kernel_cache, quantizers
+from gwgrad.kernels import compiler
+
+rng = np.random.default_rng(7)
+counts = [256, 0, 512, 128, 128]
+offsets = jnp.asarray(np.cumsum(counts).astype(np.int32))
+x = jnp.asarray(rng.standard_normal((1024, 256)), jnp.bfloat16)
+dy = jnp.asarray(rng.standard_normal((1024, 384)), jnp.bfloat16)
+base = jnp.asarray(rng.standard_normal((5, 256, 384)), jnp.float32)
+f = jax.jit(lambda x, dy, o: gwj.wgrad(x, dy, o, out_dtype=jnp.float32))
+g = jax.jit(lambda x, dy, o, out: gwj.wgrad(x, dy, o, out=out, accumulate=True))
+q = jax.jit(lambda x, o: gwj.quantize(x, o, "mxfp8"))
+w, w2, (data, scales, _) = f(x, dy, offsets), g(x, dy, offsets, base), q(x, offsets)
+jax.block_until_ready((w, w2, data, scales))
+gwgrad.check_errors()
+xf, dyf = (np.asarray(v.astype(jnp.float32), np.float64) for v in (x, dy))
+bounds = [0] + list(np.cumsum(counts))
+want = np.stack([xf[s:e].T @ dyf[s:e] for s, e in zip(bounds, bounds[1:])])
+err = lambda got, want: float(np.linalg.norm(np.asarray(got, np.float64) - want)
+                              / np.linalg.norm(want))
+ref_data, ref_scales, _ = quantizers.reference_quantize(np.asarray(x.astype(jnp.float32)),
+                                                        np.asarray(offsets), "mxfp8")
+# Invalid offsets, found by a kernel this process did not compile: reported here.
+g(x, dy, offsets.at[-1].add(-32), base).block_until_ready()
+try:
+    gwgrad.check_errors()
+    reported = ""
+except ValueError as exc:
+    reported = str(exc)
+print(json.dumps({
+    "cutlass": "cutlass" in sys.modules, "compiles": kernel_cache.stats()["compiles"],
+    "dsl_compiles": compiler.compile_count,
+    "err": max(err(w, want), err(w2, want + np.asarray(base, np.float64))),
+    "quantize_equal": bool(np.array_equal(np.asarray(data).view(np.uint8), ref_data)
+                           and np.array_equal(np.asarray(scales).view(np.uint8), ref_scales)),
+    "reported": reported}))
+"""
+
+
+@timeout(700)
+def test_a_warm_process_runs_from_the_disk_cache(tmp_path):
+    """A fresh process running jitted wgrad (dense, accumulating) and quantize whose XLA FFI
+    modules a first process put in the disk cache: no compile, no CuTe DSL import, results
+    against float64 and the NumPy model, and invalid offsets reported to this process."""
+    import json
+
+    runs = []
+    for _ in range(2):
+        env = dict(os.environ, PYTHONPATH=_pythonpath(), XLA_PYTHON_CLIENT_PREALLOCATE="false",
+                   GWGRAD_CACHE_DIR=str(tmp_path))
+        env.pop("CUTE_DSL_ARCH", None)
+        proc = subprocess.run([sys.executable, "-c", WARM_JAX_CHILD], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["compiles"] > 0 and cold["cutlass"], cold
+    assert warm["compiles"] == 0 and warm["dsl_compiles"] == 0, warm
+    assert warm["cutlass"] is False, warm
+    for run in runs:
+        assert run["err"] < 1e-5 and run["quantize_equal"], run
+        assert run["reported"].startswith("offsets_tensor: "), run
 
 
 def test_with_cuda_graphs_enabled(tmp_path):

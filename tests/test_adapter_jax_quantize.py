@@ -1,7 +1,7 @@
 """gwgrad.adapters.jax.quantize without a GPU: every format under jit bit-equal to the NumPy
 model (gwgrad.quantizers.reference_quantize), the quantized operands feeding wgrad_fp8 in one
 jitted function, shard_map over two (CPU) devices, argument errors, and the CUDA lowering's
-custom call (the quantizer's call_tensors entry through cutlass_call, compiled for
+custom call (the quantizer's call_tensors entry as an XLA FFI module, compiled for
 CUTE_DSL_ARCH, no GPU needed)."""
 
 from __future__ import annotations
@@ -314,7 +314,9 @@ for fmt, f in Q.FORMATS.items():
         texts[f"{fmt}/{elem}"] = {
             ",".join(p): lower(lowering_platforms=p).as_text()
             for p in (("cuda",), ("cpu", "cuda"), ("cpu",))}
-json.dump(texts, sys.stdout)
+from gwgrad import kernel_cache
+json.dump({"texts": texts, "cutlass": "cutlass" in sys.modules,
+           "compiles": kernel_cache.stats()["compiles"]}, sys.stdout)
 """
 
 MLIR_DTYPES = {np.dtype(np.uint8): "ui8", np.dtype(np.float32): "f32",
@@ -333,15 +335,34 @@ def _tensor(shape, dtype) -> str:
 
 
 @pytest.fixture(scope="module", params=["sm_90a", "sm_100a"])
-def lowered(request):
+def lowered(request, tmp_path_factory):
+    """The lowered modules of every format, and whether a second process lowering them with
+    the kernels on disk compiled or imported the CuTe DSL."""
     # A process of its own: CUTE_DSL_ARCH must be set before the CuTe DSL is first imported
     # on a machine without a GPU (the DSL reads it once, at import).
     env = dict(os.environ, PYTHONPATH=_pythonpath(), CUTE_DSL_ARCH=request.param,
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", LOWER_FOR_CUDA], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+               JAX_PLATFORMS="cpu", GWGRAD_CACHE_DIR=str(tmp_path_factory.mktemp("cache")),
+               # a module's fixture may run before the first test's seed is set
+               GWGRAD_CHILD_SEED=os.environ.get("GWGRAD_CHILD_SEED", "0"))
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", LOWER_FOR_CUDA], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout))
+    cold, warm = runs
+    return dict(cold["texts"], cold=cold, warm=warm)
+
+
+@pytest.mark.compile
+def test_a_warm_process_lowers_without_the_dsl(lowered):
+    """Eight formats: one quantizer operator and one XLA FFI module each, compiled by the
+    first process; the second finds them all on disk and lowers the same custom calls."""
+    cold, warm = lowered["cold"], lowered["warm"]
+    assert cold["cutlass"] and cold["compiles"] == 2 * len(CASES)
+    assert not warm["cutlass"] and warm["compiles"] == 0, warm["compiles"]
+    for case, texts in cold["texts"].items():
+        assert _custom_calls(warm["texts"][case]["cuda"]) == _custom_calls(texts["cuda"])
 
 
 @pytest.mark.compile

@@ -1,5 +1,5 @@
 """gwgrad.adapters.jax.quantize on an SM90+ GPU: the custom call (the quantizer's call_tensors
-entry through cutlass_call) under jit gives gwgrad.quantize's bits (torch tensors, the core's
+entry as an XLA FFI module) under jit gives gwgrad.quantize's bits (torch tensors, the core's
 path) and the NumPy model's, whole arrays, for every format, on BF16 data spanning many
 magnitudes with NaN / Inf / denormals, empty experts and counts that are not multiples of
 128; other counts through the same executable; invalid offsets; quantize -> wgrad_fp8 in one

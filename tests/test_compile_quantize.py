@@ -296,3 +296,36 @@ def test_ptxas_assembles_without_spills(ptx_of, fmt, elem, arch, tmp_path):
     assert all(s == ("0", "0") for s in spills), report[-2000:]
     registers = [int(r) for r in re.findall(r"Used (\d+) registers", report)]
     assert registers and max(registers) <= 255, registers
+
+
+# --- through gwgrad.plan: one compiled operator, kept on disk -----------------------------------
+
+@pytest.mark.compile
+def test_the_plan_compiles_once_and_finds_it_on_disk(tmp_path, monkeypatch):
+    """gwgrad.plan's quantizer operator compiles the kernel once (gwgrad.kernel_cache), keeps
+    its workspace rule with it, and a process that finds it on disk (memory cleared here)
+    gets the same rule without compiling."""
+    from gwgrad import kernel_cache, plan
+    from gwgrad.kernels import compiler
+
+    monkeypatch.setenv("GWGRAD_CACHE_DIR", str(tmp_path))
+    kernel_cache.clear_memory()
+    plan.clear_cache()
+    request = Q.request("nvfp4", "e2m1", CHANNELS, EXPERTS, "sm_100a")
+    cfg = Q.kernel_config("nvfp4", "e2m1", CHANNELS, EXPERTS)
+    before = compiler.compile_count
+    try:
+        op = plan.compile_quantizer(request)
+        assert plan.compile_quantizer(request) is op and compiler.compile_count == before + 1
+        plan.clear_cache()
+        kernel_cache.clear_memory()
+        stats = kernel_cache.stats()
+        again = plan.compile_quantizer(request)
+        assert again is not op and compiler.compile_count == before + 1
+        assert kernel_cache.stats()["disk_hits"] == stats["disk_hits"] + 1
+        for tokens in (0, 32, 1000, 65536):
+            assert again.workspace_bytes(tokens) == cfg.workspace_bytes(tokens)
+            assert again.tile_bound(tokens) == cfg.tile_bound(tokens)
+    finally:
+        plan.clear_cache()
+        kernel_cache.clear_memory()

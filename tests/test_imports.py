@@ -2,7 +2,8 @@
 ``from ... import`` of a gwgrad module, at module level or inside a function, is an edge.
 There is no cycle (a base kernel asks its subclasses through hooks, not imports), no module
 imports the package face (``gwgrad/__init__.py``, which imports everything), and one table
-maps gwgrad's dtypes to the CuTe DSL's types."""
+maps gwgrad's dtypes to the CuTe DSL's types. The JAX adapter reaches kernels only through
+gwgrad.plan and gwgrad.interop.jax (no gwgrad.backends, no CuTe DSL import)."""
 
 from __future__ import annotations
 
@@ -122,3 +123,92 @@ def test_one_dtype_table_for_the_dsl():
 
     # Every dtype a kernel or a compile sample takes (float64 is the CPU reference's alone).
     assert set(CUTLASS_TYPES) == {d.value for d in DType} - {"float64"}
+
+
+ADAPTERS = PACKAGE.parent / "adapters"
+#: What the JAX adapter may import from gwgrad: the runner, the framework room, and the pure
+#: modules (rules and descriptors); never the backends, the kernels or the DSL plumbing.
+JAX_ADAPTER_IMPORTS = {"gwgrad.plan", "gwgrad.interop", "gwgrad.interop.jax", "gwgrad.dtypes",
+                       "gwgrad.errors", "gwgrad.validation", "gwgrad.tensors", "gwgrad.spec",
+                       "gwgrad.scales", "gwgrad.offsets", "gwgrad.status", "gwgrad.quantizers",
+                       "gwgrad.api"}
+
+
+def _imports(source: str, top_level_only: bool) -> Set[str]:
+    """Absolute module names a module's ``source`` imports (``from gwgrad import plan`` and
+    ``from gwgrad.interop import jax`` count as those submodules), at module level only or
+    anywhere."""
+    tree = ast.parse(source)
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    known = modules()
+    found: Set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.update(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known
+                         else node.module for alias in node.names)
+    return found
+
+
+def _forbidden(source: str) -> Set[str]:
+    """What a JAX adapter's source imports that it must not: the DSL anywhere, gwgrad modules
+    outside JAX_ADAPTER_IMPORTS anywhere, or not the runner and interop at module level."""
+    anywhere = _imports(source, top_level_only=False)
+    bad = {m for m in anywhere if m.split(".")[0] == "cutlass"}
+    bad |= {m for m in anywhere if m.split(".")[0] == "gwgrad"} - JAX_ADAPTER_IMPORTS
+    missing = {"gwgrad.plan", "gwgrad.interop.jax"} - _imports(source, top_level_only=True)
+    return bad | {f"(not imported) {m}" for m in missing}
+
+
+def test_the_jax_adapter_imports_the_runner_not_the_backends():
+    """adapters/jax.py reaches kernels through gwgrad.plan (its custom calls' modules) and
+    gwgrad.interop.jax (the call): no gwgrad.backends, no kernels, no CuTe DSL, anywhere in it
+    (module level or inside a function)."""
+    assert _forbidden((ADAPTERS / "jax.py").read_text()) == set()
+
+
+def test_the_adapter_check_sees_a_side_door():
+    good = ("from gwgrad import plan, status\nfrom gwgrad.interop import jax as x\n"
+            "def f():\n    from gwgrad import quantizers\n")
+    assert _forbidden(good) == set()
+    assert _forbidden(good + "def g():\n    from gwgrad import backends\n") == \
+        {"gwgrad.backends"}
+    assert _forbidden(good + "def g():\n    import cutlass.jax as cj\n") == {"cutlass.jax"}
+    assert _forbidden(good + "from gwgrad.backends import reference\n") == {
+        "gwgrad.backends.reference"}
+    assert _forbidden("def f():\n    from gwgrad import plan\n") == {
+        "(not imported) gwgrad.plan", "(not imported) gwgrad.interop.jax"}
+
+
+IMPORT_ADAPTER = """
+import sys
+import gwgrad.adapters.jax
+print(sorted(m for m in sys.modules if m == "cutlass" or m.startswith("cutlass.")))
+"""
+
+
+def test_importing_the_jax_adapter_imports_no_dsl():
+    pytest.importorskip("jax")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(PACKAGE.parent), os.environ.get("PYTHONPATH")])), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", IMPORT_ADAPTER], cwd=PACKAGE.parent, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_the_version_is_stated_once():
+    """``__version__`` is assigned in gwgrad/_version.py only; everything else imports it."""
+    assigned = []
+    for path in list(PACKAGE.rglob("*.py")) + list(ADAPTERS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(t, ast.Name) and t.id == "__version__" for t in targets):
+                    assigned.append(str(path.relative_to(PACKAGE.parent)))
+    assert assigned == ["gwgrad/_version.py"]

@@ -5,6 +5,7 @@ so this runs without a GPU), and on a GPU the GEMM loaded from disk in a fresh p
 
 import ast
 import ctypes
+import hashlib
 import json
 import os
 import shutil
@@ -415,6 +416,142 @@ def test_concurrent_writers(cache):
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # no temporary files
 
 
+# -- XLA FFI modules (the JAX adapter's custom calls): fake bytes, no DSL ------------------------
+
+MODULE_KEY = ("test_kernel_cache.module", (((8, 4), "bfloat16"),), ("tokens_sum", 8))
+
+
+@pytest.fixture
+def runtime(tmp_path):
+    """A stand-in for the DSL runtime library's path (entries check that it exists)."""
+    path = tmp_path / "libcute_dsl_runtime.so"
+    path.write_bytes(b"\x7fELF stand-in")
+    return str(path)
+
+
+def fake_module(runtime, data=b"\x7fELF module bytes", builds=None):
+    """A compile_fn for load_or_compile_module: fake object bytes and call description."""
+
+    def build():
+        if builds is not None:
+            builds.append(1)
+        return {"module": data, "target": "CuteDSLRT_NvJaxCutlassCall_v2", "ffi_version": 2,
+                "results": [[[4, 8, 8], "float32"], [[256], "uint8"], [[16], "int32"]],
+                "aliases": [[3, 2]], "input_layouts": [[1, 0], [1, 0], [0], [0]],
+                "output_layouts": [[0, 1, 2], [0], [0]], "runtime": runtime,
+                "info": {"grid_size": 132}}
+    return build
+
+
+def test_a_module_is_stored_and_read_back_by_a_fresh_process(cache, runtime):
+    builds = []
+    before = kernel_cache.stats()
+    found = kernel_cache.load_or_compile_module(MODULE_KEY, ARCH, OPTIONS,
+                                                fake_module(runtime, builds=builds))
+    assert builds == [1] and counters_since(before)["compiles"] == 1
+    key = found.key
+    assert (cache / f"{key}.xla").read_bytes() == b"\x7fELF module bytes"
+    meta = json.loads((cache / f"{key}.json").read_text())
+    assert meta["kind"] == "xla-ffi" and meta["dsl_version"] == kernel_cache.dsl_version()
+    kernel_cache.clear_memory()  # as a new process
+    before = kernel_cache.stats()
+    again = kernel_cache.load_or_compile_module(MODULE_KEY, ARCH, OPTIONS,
+                                                fake_module(runtime, builds=builds))
+    assert builds == [1] and counters_since(before) == {"compiles": 0, "memory_hits": 0,
+                                                        "disk_hits": 1, "rebuilds": 0}
+    assert again.module == found.module and again.key == key
+    assert again.fingerprint == hashlib.sha256(b"\x7fELF module bytes").digest()
+    assert (again.target, again.ffi_version, again.runtime) == (
+        "CuteDSLRT_NvJaxCutlassCall_v2", 2, runtime)
+    assert again.results == (((4, 8, 8), "float32"), ((256,), "uint8"), ((16,), "int32"))
+    assert again.aliases == ((3, 2),) and again.input_layouts[2] == (0,)
+    assert again.output_layouts[0] == (0, 1, 2) and again.info == {"grid_size": 132}
+    assert kernel_cache.lookup_module(MODULE_KEY, ARCH, OPTIONS) is again  # memory now
+    assert kernel_cache.lookup_module(MODULE_KEY + ("other",), ARCH, OPTIONS) is None
+
+
+def _set_meta(cache, key, **fields):
+    path = cache / f"{key}.json"
+    meta = json.loads(path.read_text())
+    meta.update(fields)
+    path.write_text(json.dumps(meta))
+
+
+MODULE_CORRUPTIONS = {
+    "module bytes": lambda cache, key, runtime: (cache / f"{key}.xla").write_bytes(b"other"),
+    "module missing": lambda cache, key, runtime: (cache / f"{key}.xla").unlink(),
+    "metadata not json": lambda cache, key, runtime: (cache / f"{key}.json").write_text("{"),
+    "another dsl version": lambda cache, key, runtime: _set_meta(cache, key,
+                                                                 dsl_version="0.0.1"),
+    "a .so entry's metadata": lambda cache, key, runtime: _set_meta(cache, key, kind=None),
+    "runtime library gone": lambda cache, key, runtime: os.unlink(runtime),
+    "results not shapes": lambda cache, key, runtime: _set_meta(cache, key,
+                                                                results=[["4x8", "f32"]]),
+    "no target": lambda cache, key, runtime: _set_meta(cache, key, target=""),
+    "unknown ffi version": lambda cache, key, runtime: _set_meta(cache, key, ffi_version=3),
+    "layouts": lambda cache, key, runtime: _set_meta(cache, key, input_layouts=[["1", 0]]),
+}
+
+
+@pytest.mark.parametrize("corruption", sorted(MODULE_CORRUPTIONS))
+def test_bad_module_entries_are_rebuilt(cache, runtime, corruption):
+    """A module entry failing any check is deleted and compiled again, never used."""
+    found = kernel_cache.load_or_compile_module(MODULE_KEY, ARCH, OPTIONS, fake_module(runtime))
+    MODULE_CORRUPTIONS[corruption](cache, found.key, runtime)
+    if corruption == "runtime library gone":  # the rebuilt entry records the new path
+        runtime = str(cache.parent / "moved-libcute_dsl_runtime.so")
+        Path(runtime).write_bytes(b"\x7fELF stand-in")
+    kernel_cache.clear_memory()
+    assert kernel_cache.lookup_module(MODULE_KEY, ARCH, OPTIONS) is None  # checked, deleted
+    assert not (cache / f"{found.key}.json").exists()
+    builds = []
+    before = kernel_cache.stats()
+    again = kernel_cache.load_or_compile_module(MODULE_KEY, ARCH, OPTIONS,
+                                                fake_module(runtime, builds=builds))
+    assert builds == [1] and again.module == found.module
+    assert counters_since(before)["compiles"] == 1
+
+
+def test_a_module_compile_that_would_be_rejected_is_refused(cache, runtime):
+    build = fake_module(runtime)
+
+    def bad():
+        return dict(build(), results=[])
+
+    with pytest.raises(Exception, match="results"):
+        kernel_cache.load_or_compile_module(MODULE_KEY, ARCH, OPTIONS, bad)
+    assert not list(cache.glob("*.xla"))
+
+
+def test_a_module_key_changes_with_the_sources_and_the_dsl(cache, runtime, monkeypatch):
+    """Another DSL version or other kernel sources name another entry: compiled again."""
+    first = kernel_cache.load_or_compile_module(MODULE_KEY, ARCH, OPTIONS, fake_module(runtime))
+    for name, value in (("dsl_version", "9.9.9"), ("source_hash", "0" * 64)):
+        with monkeypatch.context() as patched:
+            patched.setattr(kernel_cache, name, lambda value=value: value)
+            kernel_cache.clear_memory()
+            assert kernel_cache.lookup_module(MODULE_KEY, ARCH, OPTIONS) is None
+            builds = []
+            other = kernel_cache.load_or_compile_module(MODULE_KEY, ARCH, OPTIONS,
+                                                        fake_module(runtime, builds=builds))
+            assert builds == [1] and other.key != first.key
+    kernel_cache.clear_memory()
+    assert kernel_cache.lookup_module(MODULE_KEY, ARCH, OPTIONS).key == first.key
+    assert len(list(cache.glob("*.xla"))) == 3
+
+
+def test_modules_without_a_disk_cache_stay_in_memory(monkeypatch, runtime, tmp_path):
+    monkeypatch.setenv("GWGRAD_CACHE_DIR", "off")
+    kernel_cache.clear_memory()
+    builds = []
+    found = kernel_cache.load_or_compile_module(MODULE_KEY, ARCH, OPTIONS,
+                                                fake_module(runtime, builds=builds))
+    assert kernel_cache.load_or_compile_module(MODULE_KEY, ARCH, OPTIONS,
+                                               fake_module(runtime, builds=builds)) is found
+    assert builds == [1]
+    kernel_cache.clear_memory()
+
+
 # -- on a GPU ---------------------------------------------------------------------------------
 
 
@@ -544,8 +681,7 @@ CLUSTER_CHILD = """
 import builtins, json, sys
 sys.path.insert(0, {tests!r})
 import gwgrad
-from gwgrad import backends, cuda, kernel_cache
-from gwgrad.backends import _cutedsl
+from gwgrad import backends, cuda, grid, kernel_cache
 from gwgrad.validation import build_spec
 from gwgrad import DType, from_pointer
 
@@ -553,7 +689,7 @@ from gwgrad import DType, from_pointer
 cuda.compute_capability = lambda device=0: (9, 0)
 cuda.device_name = lambda device=0: "NVIDIA H200"
 cuda.driver_version = lambda: 13000
-_cutedsl._sm_count = lambda device: 132
+grid._sm_count = lambda device: 132
 
 class Cached:  # a kernel found in the disk cache
     info = {{"num_units": 64, "workspace_bytes": 4096}}
@@ -593,30 +729,41 @@ def test_a_cached_clustered_kernel_runs_without_the_dsl(cache):
 
 WARM_CHILD = """
 import json, sys
+import numpy as np
 import torch
 import gwgrad
 import gwgrad.adapters.torch as gwt
+from gwgrad.kernels import compiler
 counts = [256] * 8
 x = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16)
 dy = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16)
 offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
 w = gwt.wgrad(x, dy, offsets, out_dtype=torch.float32)
 w2 = gwgrad.grouped_gemm_wgrad(x.T, dy, offsets_tensor=offsets, wgrad_dtype="float32")[0]
+data, scales, _ = gwt.quantize(x, offsets, "mxfp8")
 torch.cuda.synchronize()
 want = torch.stack([x[i:i + 256].double().T @ dy[i:i + 256].double() for i in range(0, 2048, 256)])
 err = max(float((o.double() - want).norm() / want.norm()) for o in (w, w2))
-print(json.dumps({"cutlass": "cutlass" in sys.modules, "err": err,
-                  "cache": gwgrad.kernel_cache.stats()}))
+ref = gwgrad.quantizers.reference_quantize(x.float().cpu().numpy(), offsets.cpu().numpy(),
+                                           "mxfp8")
+same = [np.array_equal(t.view(torch.uint8).cpu().numpy(), r) for t, r in zip((data, scales), ref)]
+print(json.dumps({"cutlass": "cutlass" in sys.modules, "err": err, "quantize_equal": all(same),
+                  "cache": gwgrad.kernel_cache.stats(), "dsl_compiles": compiler.compile_count}))
 """
 
 
 @pytest.mark.gpu
 def test_a_warm_process_never_imports_the_dsl(tmp_path):
-    """The torch adapter and the contract's wrapper in a fresh process whose kernels (a
-    clustered default tiling) and device facts are on disk: a result, no CuTe DSL import."""
+    """The torch adapter (wgrad and quantize) and the contract's wrapper in a fresh process
+    whose kernels (a clustered default tiling, a quantizer) and device facts are on disk: a
+    result, no compile, no CuTe DSL import."""
     pytest.importorskip("torch")
     needs_sm90()
-    run_child(WARM_CHILD, tmp_path)  # compiles, learns the cluster occupancy
+    cold = json.loads(run_child(WARM_CHILD, tmp_path).strip().splitlines()[-1])
+    # At least a GEMM and the quantizer, each compiled once by the DSL.
+    assert cold["cache"]["compiles"] >= 2, cold
+    assert cold["dsl_compiles"] == cold["cache"]["compiles"], cold
     out = json.loads(run_child(WARM_CHILD, tmp_path).strip().splitlines()[-1])
     assert out["cutlass"] is False and out["cache"]["compiles"] == 0, out
-    assert out["err"] < 1e-5, out
+    assert out["dsl_compiles"] == 0 and out["cache"]["disk_hits"] >= 3, out
+    assert out["err"] < 1e-5 and out["quantize_equal"], out

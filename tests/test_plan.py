@@ -214,3 +214,40 @@ def test_changing_token_totals_keep_the_adapter_caches_bounded(monkeypatch):
                             x[tokens // 2:].double().T @ dy[tokens // 2:].double()])
         torch.testing.assert_close(w.double(), want, rtol=1e-5, atol=1e-5)
         assert len(gwt._plans) <= 4 and len(plans._plans) <= 4
+
+
+def test_a_quantizer_is_one_operator_per_config_and_arch_planned_per_tokens(monkeypatch):
+    """gwgrad.quantize's GPU path through the plan: one compiled operator per (config, arch),
+    its workspace rule read from the cached kernel's info (no DSL), a plan per token count and
+    device that launches the kernel with the tile bound and tokens appended."""
+    from gwgrad import kernel_cache, plan, quantizers
+
+    loads, launches = [], []
+
+    class Kernel:  # a KernelFunction from the disk cache
+        info = {"tile_tokens": 128, "per_tile": 32, "base": 96}
+
+        def bound(self, device):
+            return lambda *values: launches.append((device,) + values)
+
+    def load_or_compile(key_parts, arch, options, signature, build):
+        loads.append((key_parts, arch, options, signature))
+        return Kernel()
+
+    monkeypatch.setattr(kernel_cache, "load_or_compile", load_or_compile)
+    plan.clear_cache()
+    request = quantizers.request("mxfp8", "e4m3", 256, 3, "sm_90a")
+    assert (request.recipe, request.sf_vec, request.count_multiple) == ("blocked", 32, 32)
+    call = plan.quantize_plan(request, 1000, 0)
+    assert plan.quantize_plan(request, 1000, 0) is call
+    other = plan.quantize_plan(request, 64, 1)
+    assert len(loads) == 1 and plan.cache_info()["constructed"] >= 1
+    (key_parts, arch, options, signature), = loads
+    assert arch == "sm_90a" and options == "--gpu-arch sm_90a"
+    assert signature == ("ptr",) * 6 + ("i32",) * 3 + ("stream",)
+    assert key_parts == request.key_parts() and "'channels', 256" in repr(key_parts)
+    assert call.tile_bound == 8 + 3 and call.workspace_bytes == 96 + 32 * 11
+    assert other.tile_bound == 1 + 3
+    call.launch(7, 1, 2, 3, 4, 0, 5, 1032)
+    assert launches == [(0, 7, 1, 2, 3, 4, 0, 5, 1000, 1032, 11)]
+    plan.clear_cache()

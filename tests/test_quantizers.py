@@ -655,11 +655,13 @@ def test_quantize_misaligned_cuda_address_names_the_argument(monkeypatch, name):
 
     launched = []
 
-    class Kernel:
+    class Plan:  # gwgrad.plan.QuantizePlan's interface
+        workspace_bytes = 4096
+
         def launch(self, *args):
             launched.append(args)
 
-    monkeypatch.setattr(Q, "_kernel", lambda cfg, arch: Kernel())
+    monkeypatch.setattr(Q.plan, "quantize_plan", lambda request, tokens, device: Plan())
     monkeypatch.setattr(backends, "detect_arch", lambda device: "sm_90a")
     monkeypatch.setattr(Q.interop, "workspace", lambda *a, **k: 1 << 40)
     tokens, channels, experts = 64, 128, 2

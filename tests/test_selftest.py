@@ -302,10 +302,10 @@ def compiling_stand_in(monkeypatch):
     import ctypes
 
     from cudnn_cases import Launches, _record
-    from gwgrad.backends import _cutedsl
+    from gwgrad.backends import CuteDslBackend
 
     launches = Launches()
-    monkeypatch.setattr(_cutedsl.CuteDslBackend, "launcher",
+    monkeypatch.setattr(CuteDslBackend, "launcher",
                         lambda self, compiled, spec, device: (
                             lambda *values: launches.calls.append(values)))
     ctypes.memset(_record, 0, ctypes.sizeof(_record))

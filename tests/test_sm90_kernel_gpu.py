@@ -103,7 +103,7 @@ def test_single_launch_leaves_its_workspace_ready_for_any_grid():
     import dataclasses
 
     from gpu_kernel_checks import compiled_for, desc, make_operands, make_spec
-    from gwgrad.backends import _cutedsl
+    from gwgrad import grid as launch_grid
     from gwgrad.backends.base import LaunchArgs
 
     cases = []
@@ -113,7 +113,7 @@ def test_single_launch_leaves_its_workspace_ready_for_any_grid():
         final, backend, compiled = compiled_for(spec)
         assert final.launches == launches
         cases.append((final, backend, compiled, counts))
-    grids = {_cutedsl.grid_size(c[2], 0) for c in cases[:2]}
+    grids = {launch_grid.grid_size(c[2], 0) for c in cases[:2]}
     assert 1 in grids and max(grids) > 100, grids
     nbytes = max(c[1].workspace_bytes(c[0]) for c in cases)
     ws = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
@@ -144,16 +144,16 @@ def test_single_launch_needs_no_resident_grid(monkeypatch, factor, tiling):
     the hand-off's words are 0 again. This is also the case of a GEMM overlapped with
     another stream's kernel that holds some SMs: the CTAs that start work at once."""
     from gpu_kernel_checks import compiled_for, desc, make_operands, make_spec
-    from gwgrad.backends import _cutedsl
+    from gwgrad import grid as launch_grid
     from gwgrad.backends.base import LaunchArgs
 
     spec = make_spec("sm_90a", 1024, 1536, 16, tiling=(*tiling, 1))
     spec, backend, compiled = compiled_for(spec)
     assert spec.launches == 1
-    resident = _cutedsl.grid_size(compiled, 0)
+    resident = launch_grid.grid_size(compiled, 0)
     grid = resident * factor
-    assert compiled.num_units * _cutedsl.cluster_size(compiled) >= grid  # work for every CTA
-    monkeypatch.setattr(_cutedsl, "grid_size", lambda cfg, device: grid)
+    assert compiled.num_units * launch_grid.cluster_size(compiled) >= grid  # work for every CTA
+    monkeypatch.setattr(launch_grid, "grid_size", lambda cfg, device: grid)
     gen = torch.Generator().manual_seed(factor)
     counts = (torch.randint(0, 96, (16,), generator=gen) * 8).tolist()
     counts[5] = 0
@@ -177,12 +177,12 @@ def test_single_launch_needs_no_resident_grid(monkeypatch, factor, tiling):
 def _grid_for(monkeypatch, compiled, grid):
     """Set the launch grid: the resident one, one CTA (cluster), or 3x the resident one (the
     later CTAs start as earlier ones exit); returns its size in CTAs."""
-    from gwgrad.backends import _cutedsl
+    from gwgrad import grid as launch_grid
 
-    count = _cutedsl.grid_size(compiled, 0)
+    count = launch_grid.grid_size(compiled, 0)
     if grid != "resident":
-        count = _cutedsl.cluster_size(compiled) if grid == "one_cluster" else 3 * count
-        monkeypatch.setattr(_cutedsl, "grid_size", lambda cfg, device: count)
+        count = launch_grid.cluster_size(compiled) if grid == "one_cluster" else 3 * count
+        monkeypatch.setattr(launch_grid, "grid_size", lambda cfg, device: count)
     return count
 
 
@@ -284,11 +284,11 @@ def test_balanced_schedule(monkeypatch, seed, case, counts, grid):
     the grid; both must be right against FP64. Equal counts (and an empty expert) run static
     on any grid, a spread of 8 tokens only on one CTA (cluster), a skewed launch never."""
     from gpu_kernel_checks import run_and_check
-    from gwgrad.backends import _cutedsl
+    from gwgrad import grid as launch_grid
     from gwgrad.kernels.tiling import BALANCED_SPREAD
 
     spec, final, backend, compiled, out_dtype = _scheduled(BALANCED_CASES[case], 3)
-    clusters = _grid_for(monkeypatch, compiled, grid) // _cutedsl.cluster_size(compiled)
+    clusters = _grid_for(monkeypatch, compiled, grid) // launch_grid.cluster_size(compiled)
     values = {"equal": [200] * 24, "spread": [200, 208] * 12,
               "skewed": [1000] + [8] * 23}[counts]
     values[5] = 0

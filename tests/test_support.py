@@ -203,16 +203,27 @@ def test_the_grid_is_whole_resident_clusters(monkeypatch):
     at once (persistent, like the 1x1 grid)."""
     from types import SimpleNamespace
 
-    from gwgrad.backends import _cutedsl
+    from gwgrad import grid
 
-    monkeypatch.setattr(_cutedsl, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(_cutedsl, "_max_active_clusters", lambda device, size: 60)
+    monkeypatch.setattr(grid, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(grid, "_max_active_clusters", lambda device, size: 60)
     cfg = lambda units, cm=1, cn=1: SimpleNamespace(num_units=units, cluster_m=cm, cluster_n=cn)
-    assert _cutedsl.grid_size(cfg(1000), 0) == 132
-    assert _cutedsl.grid_size(cfg(7), 0) == 7
-    assert _cutedsl.grid_size(cfg(1000, 1, 2), 0) == 120
-    assert _cutedsl.grid_size(cfg(7, 2, 1), 0) == 14  # a unit is a cluster's tile
-    assert _cutedsl.grid_size(cfg(1000, 2, 2), 0) == 240
+    assert grid.grid_size(cfg(1000), 0) == 132
+    assert grid.grid_size(cfg(7), 0) == 7
+    assert grid.grid_size(cfg(1000, 1, 2), 0) == 120
+    assert grid.grid_size(cfg(7, 2, 1), 0) == 14  # a unit is a cluster's tile
+    assert grid.grid_size(cfg(1000, 2, 2), 0) == 240
+    # Without a GPU (a JAX custom call lowered with CUTE_DSL_ARCH set): the arch's SM count.
+    assert grid.grid_size_for_arch(cfg(1000), "sm_90a") == 132  # the device's, when present
+
+    def no_gpu(*device):
+        raise RuntimeError("no CUDA device")
+
+    monkeypatch.setattr(grid, "_sm_count", no_gpu)
+    monkeypatch.setattr(grid, "_max_active_clusters", no_gpu)
+    assert grid.grid_size_for_arch(cfg(1000), "sm_100a") == 148
+    assert grid.grid_size_for_arch(cfg(1000, 2, 1), "sm_90a") == 132
+    assert grid.grid_size_for_arch(cfg(7), "sm_90a") == 7
 
 
 def test_launches_per_call():

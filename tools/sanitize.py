@@ -249,11 +249,11 @@ def select(all_cases: Sequence[SanCase], patterns: str) -> List[SanCase]:
 def run_child(names: Sequence[str], device: str, small_grid: int) -> int:
     chosen = select(cases(), ",".join(names))
     if device != "cpu" and small_grid > 0:
-        from gwgrad.backends import _cutedsl
+        from gwgrad import grid
 
         # Persistent grids of `small_grid` CTAs (the grid size is a run-time argument of the
         # compiled kernels; any value is valid): every CTA then runs several work units.
-        _cutedsl._sm_count = lambda device_id, _n=small_grid: _n
+        grid._sm_count = lambda device_id, _n=small_grid: _n
     failed = 0
     for c in chosen:
         print(f"{MARK} BEGIN {c.name}", flush=True)

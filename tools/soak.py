@@ -29,7 +29,7 @@ What it does (CUDA):
    separately). Plan caches
    (the adapter's, the core's) must not grow after the warm-up.
 4. **Kernels**: kernels loaded into the process (``gwgrad.kernel_cache.stats()``: compiles +
-   disk loads; ``gwgrad.backends._cutedsl.compile_count`` counts actual compiles) must equal
+   disk loads; ``gwgrad.kernels.compiler.compile_count`` counts actual compiles) must equal
    the number of distinct kernels the specs need (``expected_kernels``: one per static GEMM
    spec, one per quantizer (channels, experts, format)), none after the warm-up.
 5. **CUDA graphs**: one ``wgrad`` call (BF16 out) and one accumulating into FP32 are each
@@ -568,13 +568,13 @@ def memory_growth(before: Dict[str, int], after: Dict[str, int], alloc_tol_mib: 
 def kernel_counters() -> Dict[str, int]:
     """gwgrad.kernel_cache.stats() with the CuTe DSL compile count and the operator counters."""
     from gwgrad import kernel_cache
-    from gwgrad.backends import _cutedsl
+    from gwgrad.kernels import compiler
 
     stats = kernel_cache.stats()
     info = gwgrad.cache_info()
     return {"compiles": stats["compiles"], "disk_hits": stats["disk_hits"],
             "rebuilds": stats["rebuilds"], "loaded": stats["compiles"] + stats["disk_hits"],
-            "dsl_compile_count": int(_cutedsl.compile_count),
+            "dsl_compile_count": int(compiler.compile_count),
             "operators_constructed": info["constructed"]}
 
 
@@ -593,8 +593,9 @@ def plan_cache_sizes() -> Dict[str, int]:
 
 def kernel_problems(total: Dict[str, int], after_warmup: Dict[str, int],
                     expected: Dict[str, int]) -> List[str]:
-    """The kernel-count checks: loaded == expected, nothing after the warm-up, GEMM operators
-    constructed once each, every kernel_cache compile a DSL compile."""
+    """The kernel-count checks: loaded == expected, nothing after the warm-up, operators (GEMMs
+    and quantizers: gwgrad.plan) constructed once each, every kernel_cache compile a DSL
+    compile."""
     problems = []
     if total["loaded"] != expected["total"]:
         problems.append(f"{total['loaded']} kernels loaded ({total['compiles']} compiled, "
@@ -602,9 +603,9 @@ def kernel_problems(total: Dict[str, int], after_warmup: Dict[str, int],
                         "distinct spec)")
     if after_warmup["loaded"] or after_warmup["dsl_compile_count"]:
         problems.append(f"kernels loaded after the warm-up: {after_warmup}")
-    if total["operators_constructed"] != expected["gemm"]:
-        problems.append(f"{total['operators_constructed']} GEMM operators constructed, expected "
-                        f"{expected['gemm']}")
+    if total["operators_constructed"] != expected["total"]:
+        problems.append(f"{total['operators_constructed']} operators constructed (GEMMs and "
+                        f"quantizers), expected {expected['total']}")
     if total["dsl_compile_count"] != total["compiles"]:
         problems.append(f"CuTe DSL compiles {total['dsl_compile_count']} != kernel_cache compiles "
                         f"{total['compiles']}")

@@ -18,9 +18,10 @@ from .. import cuda
 from ..dtypes import DType
 from ..errors import UnsupportedError, arch_names
 from ..spec import StaticSpec
+from ._cutedsl import CuteDslBackend
 from .base import Backend, LaunchArgs
 
-__all__ = ["Backend", "LaunchArgs", "ARCH_BY_CAPABILITY", "detect_arch", "get_backend",
+__all__ = ["Backend", "CuteDslBackend", "LaunchArgs", "ARCH_BY_CAPABILITY", "detect_arch", "get_backend",
            "finalize_spec", "tiling_for_tokens", "compile_check"]
 
 ARCH_BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}

@@ -9,55 +9,20 @@ them with ctypes, without importing the DSL) and are launched through its ``Kern
 
 from __future__ import annotations
 
-import functools
-import threading
 from typing import Any, Callable, Optional, Tuple
 
-from .. import kernel_cache, status as _status
-from ..dsl import shielded_argv
+from .. import grid as _grid, kernel_cache, status as _status
 from ..dtypes import DType
 from ..errors import ArgumentError, fail
+from ..kernels import compiler
 from ..offsets import token_count_multiple
 from ..spec import StaticSpec
 from .base import Backend, LaunchArgs
 
-_compile_lock = threading.Lock()
-#: How many kernels this process compiled (tests assert that cached operators reuse theirs).
-compile_count = 0
-
-#: The compiled entry's run-time arguments (``GemmEntryPoints.__call__``) in order: (name,
-#: "ptr", element dtype, alignment in bytes), (name, "i32") or (name, "stream"). Dtype "a" /
-#: "b": the operands'; "out": the dense output's, or int64 (the pointer array) in discrete
-#: mode; "sf": the scale tensors' (uint8 for E8M0 / E4M3 bytes).
-ENTRY_SIGNATURE: Tuple[tuple, ...] = (
-    ("a", "ptr", "a", 16),
-    ("b", "ptr", "b", 16),
-    ("offsets", "ptr", "int32", 4),
-    ("out", "ptr", "out", 16),
-    ("workspace", "ptr", "uint8", 128),
-    ("status", "ptr", "int32", 16),
-    ("tokens_sum", "i32"),
-    ("grid_size", "i32"),
-    ("stream", "stream"),
-)
-#: Block-scaled kernels (``ScaledEntryPoints.__call__``): the scale rows go after tokens_sum
-#: (global scales 0 when absent; sf_capacity: gwgrad/scales.py).
-SCALED_ENTRY_SIGNATURE: Tuple[tuple, ...] = ENTRY_SIGNATURE[:7] + (
-    ("sfa", "ptr", "sf", 16),
-    ("sfb", "ptr", "sf", 16),
-    ("global_scale_a", "ptr", "float32", 4),
-    ("global_scale_b", "ptr", "float32", 4),
-    ("sf_capacity", "i32"),
-) + ENTRY_SIGNATURE[7:]
-
-
-def entry_signature(spec: StaticSpec) -> Tuple[tuple, ...]:
-    return SCALED_ENTRY_SIGNATURE if spec.is_block_scaled else ENTRY_SIGNATURE
-
 
 def entry_kinds(spec: StaticSpec) -> Tuple[str, ...]:
-    """The kinds of the entry's arguments, as gwgrad.kernel_cache takes them."""
-    return tuple(row[1] for row in entry_signature(spec))
+    """The kinds of the GEMM entry's arguments for ``spec``, as gwgrad.kernel_cache takes them."""
+    return compiler.entry_kinds(compiler.entry_signature(spec))
 
 
 def problem_config(spec: StaticSpec, schedule: str, unit_tile_m: int = 0, unit_tile_n: int = 0):
@@ -159,126 +124,17 @@ class CompiledGemm:
         ``scales``: block-scaled kernels' sfa, sfb, global_scale_a/b (0: absent) and
         sf_capacity)."""
         self.kernel.launch(device, stream, a, b, offsets, out, workspace, status, tokens_sum,
-                           *scales, grid_size(self, device))
+                           *scales, _grid.grid_size(self, device))
 
     def launcher(self, device: int) -> Callable[..., None]:
         """``launch`` bound to ``device``, grid size computed once: a function ``(stream, a,
         b, offsets, out, workspace, status, tokens_sum)``; loads the kernel onto ``device``."""
-        return self.kernel.bound(device, grid_size(self, device))
-
-
-def cluster_size(cfg: Any) -> int:
-    return getattr(cfg, "cluster_m", 1) * getattr(cfg, "cluster_n", 1)
-
-
-def whole_clusters(cfg: Any, resident_clusters: int) -> int:
-    """The persistent grid in CTAs: one cluster per unit of work, at most ``resident_clusters``
-    (with 1x1 clusters, the SMs)."""
-    return min(cfg.num_units, resident_clusters) * cluster_size(cfg)
-
-
-def grid_size(cfg: Any, device_id: int) -> int:
-    """Persistent grid: one CTA per SM, or fewer when there are fewer units of work; with
-    clusters, whole clusters (``cfg``: a kernel config or a CompiledGemm, with ``num_units``
-    and the cluster shape)."""
-    size = cluster_size(cfg)
-    # Clusters (the SM90 pairs): persistent too, no more clusters than can be
-    # resident at once (their leaders take units from the counter).
-    resident = _sm_count(device_id) if size == 1 else _max_active_clusters(device_id, size)
-    return whole_clusters(cfg, resident)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_id: int) -> int:
-    from .. import cuda as gcuda
-
-    return gcuda.sm_count(device_id)
-
-
-@functools.lru_cache(maxsize=None)
-def _max_active_clusters(device_id: int, size: int) -> int:
-    """Clusters of ``size`` CTAs (one per SM, all of its shared memory) resident at once: the
-    driver's occupancy answer through the DSL's HardwareInfo, learned once per device model,
-    driver and size and then read from the kernel cache's directory (a process running cached
-    kernels then never imports the DSL); SMs // size where the query fails."""
-    from .. import cuda as gcuda
-
-    major, minor = gcuda.compute_capability(device_id)
-    fact = (f"max_active_clusters {size} CTAs | {gcuda.device_name(device_id)} | "
-            f"sm_{major}{minor} | {_sm_count(device_id)} SMs | driver {gcuda.driver_version()}")
-    fallback = _sm_count(device_id) // size
-    found = kernel_cache.remembered(fact, lambda: _query_max_active_clusters(device_id, size))
-    return max(1, min(found, fallback))
-
-
-def _query_max_active_clusters(device_id: int, size: int) -> Tuple[int, bool]:
-    """(clusters, True) from the DSL's HardwareInfo, or (SMs // size, False) when the DSL or
-    the query is not available (not kept: a later process asks again)."""
-    try:
-        from .. import cuda as gcuda
-        import cutlass.utils as cutlass_utils
-
-        with gcuda.on_device(device_id), shielded_argv():
-            return int(cutlass_utils.HardwareInfo(device_id).get_max_active_clusters(size)), True
-    except Exception:  # no DSL here, or the query failed: every SM can hold one CTA
-        return _sm_count(device_id) // size, False
-
-
-def _sample_arguments(spec: StaticSpec) -> list:
-    """Placeholder values of ``ENTRY_SIGNATURE`` for ``cute.compile`` (types, alignments)."""
-    import cuda.bindings.driver as cuda_driver
-    import cutlass
-    import cutlass.cute as cute
-
-    from ..kernels.types import cutlass_type
-
-    sf = spec.sf_dtype.value if spec.sf_dtype is not None else "uint8"
-    named = {"a": spec.a_dtype.value, "b": spec.b_dtype.value,
-             "out": spec.wgrad_dtype.value if spec.output_mode == "dense" else "int64",
-             "sf": sf if sf == "float32" else "uint8"}
-    samples = []
-    for name, kind, *rest in entry_signature(spec):
-        if kind == "ptr":
-            dtype, align = rest
-            samples.append(cute.runtime.make_ptr(cutlass_type(named.get(dtype, dtype)), 0,
-                                                 cute.AddressSpace.gmem, assumed_align=align))
-        elif kind == "i32":
-            samples.append(cutlass.Int32(1))
-        else:
-            samples.append(cuda_driver.CUstream(0))
-    return samples
+        return self.kernel.bound(device, _grid.grid_size(self, device))
 
 
 def compile_options(spec: StaticSpec, extra_options: str = "") -> str:
     """The DSL compile options of a spec's kernel."""
-    return compile_options_for(spec.arch, extra_options)
-
-
-def compile_options_for(arch: str, extra_options: str = "") -> str:
-    """The DSL compile options of a kernel for ``arch`` (no GPU needed: ``--gpu-arch``)."""
-    return f"--gpu-arch {arch} {extra_options}".strip()
-
-
-def compile_kernel(kernel: Any, spec: StaticSpec, extra_options: str = "") -> Any:
-    """``cute.compile`` of ``kernel`` (an object with a ``@cute.jit __call__`` taking
-    ``ENTRY_SIGNATURE``) for ``spec.arch``; no cache. The compile tests read the PTX of
-    ``compile_kernel(kernel, spec, "--keep-ptx").artifacts.PTX``."""
-    return compile_entry(kernel, lambda: _sample_arguments(spec),
-                         compile_options(spec, extra_options))
-
-
-def compile_entry(entry: Any, samples: Callable[[], list], options: str) -> Any:
-    """``cute.compile(entry, *samples(), options=options)`` under the process's compile lock,
-    shielded from ``sys.argv`` (which the DSL reads when it compiles), counted in
-    ``compile_count``. Every kernel gwgrad compiles (GEMMs, quantizers) goes through here."""
-    global compile_count
-
-    with _compile_lock, shielded_argv():
-        import cutlass.cute as cute
-
-        fn = cute.compile(entry, *samples(), options=options)
-        compile_count += 1
-    return fn
+    return compiler.compile_options(spec.arch, extra_options)
 
 
 def compile_gemm(spec: StaticSpec, make_kernel: Callable[[], Any], key_parts: Tuple,
@@ -291,7 +147,7 @@ def compile_gemm(spec: StaticSpec, make_kernel: Callable[[], Any], key_parts: Tu
         kernel = make_kernel()
         info = {"num_units": kernel.cfg.num_units,
                 "workspace_bytes": kernel.cfg.workspace_bytes}
-        return compile_kernel(kernel, spec, extra_options), info
+        return compiler.compile_kernel(kernel, spec, extra_options), info
 
     kernel = kernel_cache.load_or_compile(key_parts, spec.arch,
                                           compile_options(spec, extra_options),
@@ -371,16 +227,3 @@ class CuteDslBackend(Backend):
 
     def launcher(self, compiled: CompiledGemm, spec: StaticSpec, device_id: int):
         return compiled.launcher(device_id)
-
-    #: SM counts assumed for a grid compiled in without the GPU present (the JAX custom call
-    #: bakes the grid size in; any value is correct, the device's own count the fastest).
-    SM_COUNT_WITHOUT_GPU = {"sm_90a": 132, "sm_100a": 148, "sm_103a": 148}
-
-    def grid_size(self, kernel: Any, spec: StaticSpec, device_id: int = 0) -> int:
-        """The persistent grid of ``kernel`` (a ``make_kernel`` result) on ``device_id``, or
-        for ``spec.arch``'s usual SM count when no GPU is present."""
-        try:
-            return grid_size(kernel.cfg, device_id)
-        except RuntimeError:  # lowering without a GPU (CUTE_DSL_ARCH set)
-            sms = self.SM_COUNT_WITHOUT_GPU.get(spec.arch, 132)
-            return whole_clusters(kernel.cfg, sms // cluster_size(kernel.cfg))

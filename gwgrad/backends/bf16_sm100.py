@@ -35,7 +35,7 @@ class Bf16Sm100Backend(_cutedsl.CuteDslBackend):
         return _cutedsl.problem_config(spec, "sm100", unit_tile_m=unit_m)
 
     def make_kernel(self, spec: StaticSpec):
-        """The kernel object (its `call_tensors` entry serves cutlass.jax.cutlass_call)."""
+        """The kernel object (the JAX custom call wraps it: kernels/ffi_entry.py)."""
         from ..kernels.sm100_bf16 import Sm100GroupedWgrad
 
         return Sm100GroupedWgrad(self.config(spec), tuple(spec.mma_tiler_mn))

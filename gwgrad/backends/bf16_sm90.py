@@ -143,7 +143,7 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         return _cutedsl.problem_config(spec, sm90_schedule(spec.mma_tiler_mn), m * cm, n * cn)
 
     def make_kernel(self, spec: StaticSpec):
-        """The kernel object (its `call_tensors` entry serves cutlass.jax.cutlass_call)."""
+        """The kernel object (the JAX custom call wraps it: kernels/ffi_entry.py)."""
         from ..kernels.sm90_bf16 import Sm90GroupedWgrad
 
         return Sm90GroupedWgrad(self.config(spec))

@@ -1,8 +1,9 @@
 """Framework interop, in one place: how to describe an array, find a framework's current
 stream, allocate an output or a workspace on a stream, and keep memory alive for a stream.
 
-One module per framework (``torch``, ``cupy``, ``numpy``), ``dlpack`` for any other
-producer, ``buffer`` for gwgrad's own CUDA memory (raw pointers, JAX arrays). No framework
+One module per framework (``torch``, ``cupy``, ``numpy``; ``jax``: its XLA FFI custom calls,
+imported by the JAX adapter), ``dlpack`` for any other producer, ``buffer`` for gwgrad's own
+CUDA memory (raw pointers, JAX arrays). No framework
 is ever imported here: a framework's module is used only once the framework itself has been
 imported by the caller (an array of it cannot exist before). The core (``gwgrad.api``,
 ``gwgrad.plan``) and the adapters call these functions; nothing else knows a framework.

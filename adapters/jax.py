@@ -238,7 +238,7 @@ def _kernel_call(request, out_dtype, accumulate: bool, out_input: int, tokens_su
                            f"JAX {jax.__version__}; gwgrad's JAX custom call needs it")
     # Two launches (prep kernel, GEMM): a single launch's grid barrier needs a workspace that
     # starts zeroed, and XLA's is not.
-    spec, backend = backends.finalize_spec(dataclasses.replace(request, launches=2), tokens_sum)
+    spec, backend = backends.finalize_spec(request.with_tuning(launches=2), tokens_sum)
     make_kernel = getattr(backend, "make_kernel", None)
     if make_kernel is None:
         raise RuntimeError(f"the {backend.name} backend has no JAX entry point yet "

@@ -438,4 +438,4 @@ def test_unsupported_tiling_is_the_backends_call(monkeypatch):
     final, _ = backends_mod.finalize_spec(spec)
     assert final.mma_tiler_mn == (128, 128) and final.cluster_shape_mn == (1, 1)
     with pytest.raises(ValueError, match="^mma_tiler_mn:"):
-        backends_mod.finalize_spec(dataclasses.replace(spec, mma_tiler_mn=(64, 64)))
+        backends_mod.finalize_spec(spec.with_tuning(mma_tiler_mn=(64, 64)))

@@ -7,7 +7,6 @@ that GPU) and a CuTe DSL kernel module, imported only when first needed.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import os
@@ -108,7 +107,7 @@ def tiling_for_tokens(spec: StaticSpec, tokens_sum: int) -> StaticSpec:
     if choice is None:
         return spec
     tiler, cluster = choice
-    return dataclasses.replace(spec, mma_tiler_mn=tuple(tiler), cluster_shape_mn=tuple(cluster))
+    return spec.with_tuning(mma_tiler_mn=tuple(tiler), cluster_shape_mn=tuple(cluster))
 
 
 def finalize_spec(spec: StaticSpec,
@@ -122,21 +121,20 @@ def finalize_spec(spec: StaticSpec,
     backend = get_backend(spec)
     if spec.mma_tiler_mn is None or spec.cluster_shape_mn is None:
         tiler, cluster = backend.default_tiling(spec)
-        spec = dataclasses.replace(
-            spec,
+        spec = spec.with_tuning(
             mma_tiler_mn=tuple(spec.mma_tiler_mn or tiler),
             cluster_shape_mn=tuple(spec.cluster_shape_mn or cluster),
         )
     if not spec.raster_group or not spec.epi_tile_n:
         raster_group, epi_tile_n = backend.default_tuning(spec)
-        spec = dataclasses.replace(spec, raster_group=spec.raster_group or raster_group,
-                                   epi_tile_n=spec.epi_tile_n or epi_tile_n)
+        spec = spec.with_tuning(raster_group=spec.raster_group or raster_group,
+                                epi_tile_n=spec.epi_tile_n or epi_tile_n)
     if not spec.epi_buffer_sets:
-        spec = dataclasses.replace(spec, epi_buffer_sets=backend.default_epi_buffer_sets(spec))
+        spec = spec.with_tuning(epi_buffer_sets=backend.default_epi_buffer_sets(spec))
     if not spec.launches:
-        spec = dataclasses.replace(spec, launches=backend.default_launches(spec))
+        spec = spec.with_tuning(launches=backend.default_launches(spec))
     if not spec.unit_schedule:
-        spec = dataclasses.replace(spec, unit_schedule=backend.default_unit_schedule(spec))
+        spec = spec.with_tuning(unit_schedule=backend.default_unit_schedule(spec))
     backend.check_support(spec)
     return spec, backend
 
@@ -151,7 +149,7 @@ def compile_check(arch: str) -> str:
         hidden=256, intermediate=512, num_experts=4, a_dtype=DType.BFLOAT16,
         b_dtype=DType.BFLOAT16, wgrad_dtype=DType.BFLOAT16, acc_dtype=DType.FLOAT32,
         a_major="m", b_major="n", input_order="tensor2d", output_mode="dense", accumulate=False,
-        mma_tiler_mn=None, cluster_shape_mn=None, sf_vec_size=16, arch=arch)
+        sf_vec_size=16, arch=arch)
     previous = os.environ.get("CUTE_DSL_ARCH")
     os.environ["CUTE_DSL_ARCH"] = arch
     try:

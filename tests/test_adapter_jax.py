@@ -180,7 +180,7 @@ def test_cuda_lowering_without_a_gpu_holds_the_custom_call(arch):
 def test_the_custom_call_tiles_for_its_static_tokens(monkeypatch):
     """Under jit the token count is static: the custom call's kernel is finalized with it, so
     JAX gets the same tokens-aware tiling as the core and the other adapters
-    (Backend.tiling_for_tokens)."""
+    (the short-expert rules, backends/tuning_rules.py)."""
     pytest.importorskip("cutlass")
     import cutlass.jax as cutlass_jax
 

@@ -336,11 +336,10 @@ def test_fp8_sm90_default_tiling(recipe, hidden, intermediate, tile, cluster, to
 ])
 def test_sm90_bf16_default_tiling(hidden, intermediate, experts, tokens, out, acc, tile,
                                   cluster, schedule):
-    """The SM90 BF16 defaults (Bf16Sm90Backend.default_tiling / tiling_for_tokens /
-    default_unit_schedule) on the benchmark's shapes (docs/PERFORMANCE.md, defaults and
-    why): CTA pairs with the balanced schedule where they measured faster,
-    the 1x1 dynamic kernel elsewhere, never a pair over an odd count (below 16) of 128-wide
-    tiles along the pair."""
+    """The SM90 BF16 defaults (the SM90_BF16 rules, backends/tuning_rules.py) on the
+    benchmark's shapes (docs/PERFORMANCE.md, defaults and why): CTA pairs with the balanced
+    schedule where they measured faster, the 1x1 dynamic kernel elsewhere, never a pair over an
+    odd count (below 16) of 128-wide tiles along the pair."""
     from gwgrad.backends import finalize_spec
 
     from kernel_compile import spec

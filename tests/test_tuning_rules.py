@@ -173,6 +173,70 @@ def test_every_default_passes_check_support(arch, fmt):
                 finalize_spec(request(arch, fmt, h, n, experts, out, acc), tokens)
 
 
+def test_every_rule_decides_a_field_on_the_grid():
+    """No rule is dead: each decides some field of some grid cell (``decide`` names the rule
+    behind every field; the pingpong staging sets need a caller's 128x128 tile there)."""
+    from gwgrad import backends
+    from gwgrad.backends.tuning_rules import TABLES, decide
+
+    used = set()
+    for _, cells in rows():
+        for args, tokens, *half in cells:
+            spec = request(*args, **({half[0]: half[1]} if half else {}))
+            decided = decide(backends.get_backend(spec).tuning_rules, spec, tokens)
+            used |= {rule for _, rule in decided.values()}
+    every = {rule.name for table in TABLES.values() for rule in table}
+    assert sorted(every - used) == []
+
+
+def test_the_caller_keeps_what_it_set():
+    from gwgrad.backends.tuning_rules import SM90_BF16, decide
+
+    spec = request("sm_90a", "bf16", 7168, 4096, 32, "bfloat16", False, tile=(128, 128))
+    decided = decide(SM90_BF16, spec.with_tuning(unit_schedule=1, launches=2))
+    assert decided["mma_tiler_mn"] == ((128, 128), "caller")
+    assert decided["cluster_shape_mn"] == ((1, 1), "sm90-pingpong")  # pairs need an open tiling
+    assert decided["unit_schedule"] == (1, "caller") and decided["launches"] == (2, "caller")
+    assert decided["epi_tile_n"] == (64, "sm90-epi-16bit")
+
+
+def test_rules_are_read_strictly():
+    from gwgrad.backends.tuning_rules import REFERENCE, Rule, decide, rules
+
+    assert Rule.parse("x: tiles >= 4096 and not acc -> 128x256 1x1 launches=2").sets == (
+        ("mma_tiler_mn", (128, 256)), ("cluster_shape_mn", (1, 1)), ("launches", 2))
+    assert Rule.parse("x: -> unit_schedule=balanced").sets == (("unit_schedule", 3),)
+    for line in ("x: tiles >= 4096", "x: flops > 1 -> launches=1", "x: not tiles > 1 -> launches=1",
+                 "x: -> 128x256 cluster=1x1", "x: -> splits=2", "x: -> unit_schedule=static",
+                 "x: -> launches=one"):
+        with pytest.raises(ValueError):
+            Rule.parse(line)
+    with pytest.raises(ValueError, match="twice"):
+        rules("x: -> launches=1", "x: -> launches=2")
+    spec = request("cpu", "bf16", 512, 512, 8, "bfloat16", False)
+    with pytest.raises(RuntimeError, match="set no mma_tiler_mn"):
+        decide(rules("x: -> launches=1"), spec)
+    with pytest.raises(RuntimeError, match="reads 'schedule' before the tiling"):
+        decide(rules("x: schedule == pingpong -> 128x128 1x1") + REFERENCE, spec)
+    # A comparison with the tokens unknown is false; with them known, exact (no rounding).
+    short = rules("short: tokens <= 384 -> 128x128 1x2") + REFERENCE
+    assert decide(short, spec)["mma_tiler_mn"] == ((128, 256), "cpu-tiling")
+    assert decide(short, spec, 384 * 8)["mma_tiler_mn"] == ((128, 128), "short")
+    assert decide(short, spec, 384 * 8 + 1)["mma_tiler_mn"] == ((128, 256), "cpu-tiling")
+
+
+@pytest.mark.parametrize("arch,fmt", FORMATS)
+def test_one_launch_by_default_exactly_where_the_backend_runs_one(arch, fmt):
+    """The launches rule of each table agrees with the backend's ``single_launch_problem``:
+    one launch wherever the GEMM can do the prep work itself (JAX asks for two)."""
+    from gwgrad import backends
+
+    spec = request(arch, fmt, 2048, 768, 8, "bfloat16", False)
+    backend = backends.get_backend(spec)
+    launches = backends.tuning_rules.resolve(backend.tuning_rules, spec).launches
+    assert launches == (1 if backend.single_launch_problem(spec) is None else 2)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help=f"rewrite {DATA}")

@@ -237,6 +237,22 @@ def test_one_launch_by_default_exactly_where_the_backend_runs_one(arch, fmt):
     assert launches == (1 if backend.single_launch_problem(spec) is None else 2)
 
 
+def test_every_rule_is_cited_with_its_measurement():
+    """docs/PERFORMANCE.md's "Defaults and why" names every rule of every table, and each of
+    its bullets names at least one rule and nothing that looks like a rule but is not one."""
+    import re
+
+    from gwgrad.backends.tuning_rules import TABLES
+
+    text = (Path(__file__).parents[1] / "docs" / "PERFORMANCE.md").read_text()
+    section = text.split("## Defaults and why", 1)[1].split("\n## ", 1)[0]
+    every = {rule.name for table in TABLES.values() for rule in table}
+    cited = set(re.findall(r"`((?:sm90|fp8|sm100|cpu)-[\w-]+)`", section))
+    assert sorted(every - cited) == [] and sorted(cited - every) == []
+    bullets = re.findall(r"^- .*(?:\n  .*)*", section, flags=re.M)
+    assert bullets and all(re.search(r"`(?:sm90|fp8|sm100|cpu)-[\w-]+`", b) for b in bullets)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help=f"rewrite {DATA}")

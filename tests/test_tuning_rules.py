@@ -189,6 +189,25 @@ def test_every_rule_decides_a_field_on_the_grid():
     assert sorted(every - used) == []
 
 
+def test_the_plan_path_pins_what_the_tokens_decide():
+    """``plan.compile_spec`` keys its operators by ``backends.tiling_for_tokens(request,
+    tokens_sum)`` and finalizes that without the tokens: the same tuning as finalizing the
+    request with them, on every open grid cell whose tokens are known."""
+    from gwgrad import backends
+    from gwgrad.backends.tuning_rules import resolve
+
+    for name, cells in rows():
+        if not name.endswith(" open") or "tokens=none" in name:
+            continue
+        for args, tokens in cells:
+            spec = request(*args)
+            rules = backends.get_backend(spec).tuning_rules
+            pinned = backends.tiling_for_tokens(spec, tokens)
+            assert resolve(rules, pinned) == resolve(rules, spec, tokens), (name, args)
+            assert pinned == spec or pinned.mma_tiler_mn != resolve(rules, spec).mma_tiler_mn \
+                or pinned.cluster_shape_mn != resolve(rules, spec).cluster_shape_mn
+
+
 def test_the_caller_keeps_what_it_set():
     from gwgrad.backends.tuning_rules import SM90_BF16, decide
 
@@ -208,7 +227,7 @@ def test_rules_are_read_strictly():
     assert Rule.parse("x: -> unit_schedule=balanced").sets == (("unit_schedule", 3),)
     for line in ("x: tiles >= 4096", "x: flops > 1 -> launches=1", "x: not tiles > 1 -> launches=1",
                  "x: -> 128x256 cluster=1x1", "x: -> splits=2", "x: -> unit_schedule=static",
-                 "x: -> launches=one"):
+                 "x: -> launches=one", "x: -> launches=2 2x1"):
         with pytest.raises(ValueError):
             Rule.parse(line)
     with pytest.raises(ValueError, match="twice"):

@@ -151,8 +151,9 @@ class Rule:
         name, condition, text = m.groups()
         words, sets = text.split(), []
         for field, word in zip(("mma_tiler_mn", "cluster_shape_mn"), words[:2]):
-            if _PAIR.fullmatch(word):
-                sets.append((field, _value(field, word)))
+            if not _PAIR.fullmatch(word):
+                break
+            sets.append((field, _value(field, word)))
         for word in words[len(sets):]:
             field, _, value = word.partition("=")
             if field not in TUNING_FIELDS or not value:

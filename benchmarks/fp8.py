@@ -77,8 +77,6 @@ class Fp8Row:
     def runner(self, recipe: str, mma_tiler_mn=None, tuning=()) -> Callable[[], None]:
         """gwgrad's FP8 kernel with `recipe` ("channel", "1x128", "mx") through its plan;
         ``tuning``: (StaticSpec tuning field, value) pairs replacing the default's."""
-        import dataclasses
-
         import torch
 
         from gwgrad.plan import PlanCache, compile_spec, plan_for_spec
@@ -97,7 +95,7 @@ class Fp8Row:
         plan = gw.plan_for(*descs[:3], wgrad=descs[3], sf_vec_size=vec,
                            scale_recipe=scale_recipe, **scale_descs, **extra)
         if tuning:
-            operator = compile_spec(dataclasses.replace(plan.spec, **dict(tuning)))
+            operator = compile_spec(plan.spec.with_tuning(**dict(tuning)))
             plan = plan_for_spec(operator, *descs, None, PlanCache(), **scale_descs,
                                  global_scale_a=None, global_scale_b=None)
         ws = torch.zeros(max(plan.workspace_bytes, 1), dtype=torch.uint8, device="cuda")

@@ -24,7 +24,6 @@ the JSON holds everything (and a PNG plot is written when matplotlib is there).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import os
@@ -253,7 +252,7 @@ class KernelRunner:
         self.plan = gwgrad.plan_for(*descs[:3], wgrad=descs[3], accumulate_on_output=accumulate,
                                     **tiling)
         if tuning:
-            operator = compile_spec(dataclasses.replace(self.plan.spec, **tuning))
+            operator = compile_spec(self.plan.spec.with_tuning(**tuning))
             self.plan = plan_for_spec(operator, *descs, None, PlanCache())
         self.spec = self.plan.spec
         self.tile = tuple(self.spec.mma_tiler_mn)

@@ -574,7 +574,7 @@ def ffi_gemm(request: StaticSpec, operands, tokens_sum: int, ffi_version: int, *
     accumulating, the output; its results the output, the uint8 workspace and the status
     block (aliased). ``ffi_version``: the FFI target version the installed JAX takes
     (gwgrad.interop.jax). Compiles only when neither memory nor disk has it."""
-    op = compile_spec(dataclasses.replace(request, launches=2), tokens_sum)
+    op = compile_spec(request.with_tuning(launches=2), tokens_sum)
     spec = op.spec
     out = ((spec.num_experts, spec.hidden, spec.intermediate), spec.wgrad_dtype.value)
     block = ((FFI_STATUS_WORDS,), "int32")

@@ -192,8 +192,8 @@ def _count_multiple(g: Gemm) -> int:
         hidden=HIDDEN, intermediate=INTERMEDIATE, num_experts=EXPERTS,
         a_dtype=_DTYPES[g.a_fmt], b_dtype=_DTYPES[g.b_fmt], wgrad_dtype=_DTYPES[g.out],
         acc_dtype=DType.FLOAT32, a_major="m" if bf16 else "k", b_major="n" if bf16 else "k",
-        input_order="tensor2d", output_mode=g.mode, accumulate=g.accumulate, mma_tiler_mn=None,
-        cluster_shape_mn=None, sf_vec_size=g.sf_vec, arch="cpu",
+        input_order="tensor2d", output_mode=g.mode, accumulate=g.accumulate,
+        sf_vec_size=g.sf_vec, arch="cpu",
         sf_dtype=_DTYPES[g.sf] if g.sf else (DType.FLOAT32 if g.recipe else None),
         scale_recipe=g.recipe)
     return token_count_multiple(spec)

@@ -17,7 +17,7 @@ from .dtypes import BLOCK_SCALED_DTYPES, OUTPUT_DTYPES, DType, as_dtype
 from .errors import fail
 from .offsets import tokens_sum_multiple
 from .scales import BLOCK_1X128, BLOCK_TOKENS, BLOCKED, PER_EXPERT_CHANNEL, RECIPES, round_up
-from .spec import INPUT_ORDERS, OUTPUT_MODES, StaticSpec
+from .spec import INPUT_ORDERS, OUTPUT_MODES, StaticSpec, Tuning
 from .tensors import TensorDesc
 
 #: TMA and the vectorized epilogue need 16-byte aligned base addresses (A, B, the outputs, the
@@ -365,9 +365,9 @@ def build_spec(
         hidden=hidden, intermediate=intermediate, num_experts=experts,
         a_dtype=a.dtype, b_dtype=b.dtype, wgrad_dtype=out_dtype, acc_dtype=acc,
         a_major=a_major, b_major=b_major, input_order=input_order, output_mode=output_mode,
-        accumulate=accumulate, mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn,
-        sf_vec_size=sf_vec_size, arch=target, sf_dtype=sf_dtype, has_global_scale=has_global_scale,
-        scale_recipe=scale_recipe if block_scaled else None,
+        accumulate=accumulate, sf_vec_size=sf_vec_size, arch=target, sf_dtype=sf_dtype,
+        has_global_scale=has_global_scale, scale_recipe=scale_recipe if block_scaled else None,
+        tuning=Tuning(mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn),
     )
     check_tokens_sum(spec, tokens_sum)
     return spec

@@ -606,7 +606,7 @@ def replay_cases(master: int, only: str, n_cases: int = DEFAULT_CASES) -> List[C
 def to_static_spec(spec: Spec, arch: str = "sm_90a"):
     """The ``gwgrad.StaticSpec`` a call of ``spec`` describes (tiling as requested)."""
     from gwgrad.dtypes import DType
-    from gwgrad.spec import StaticSpec
+    from gwgrad.spec import StaticSpec, Tuning
 
     fp8 = {"e4m3": DType.FLOAT8_E4M3FN, "e5m2": DType.FLOAT8_E5M2}
     kw = dict(
@@ -614,7 +614,8 @@ def to_static_spec(spec: Spec, arch: str = "sm_90a"):
         a_dtype=DType.BFLOAT16, b_dtype=DType.BFLOAT16, wgrad_dtype=DType(spec.out_dtype),
         acc_dtype=DType.FLOAT32, a_major=spec.a_major, b_major=spec.b_major,
         input_order=spec.order, output_mode=spec.mode, accumulate=spec.accumulate,
-        mma_tiler_mn=spec.tiling, cluster_shape_mn=spec.cluster, sf_vec_size=16, arch=arch)
+        sf_vec_size=16, arch=arch,
+        tuning=Tuning(mma_tiler_mn=spec.tiling, cluster_shape_mn=spec.cluster))
     if spec.kind == "fp8":
         kw.update(a_dtype=fp8[spec.a_fmt], b_dtype=fp8[spec.b_fmt],
                   sf_vec_size={"per_expert_channel": 0, "block_1x128": 128,

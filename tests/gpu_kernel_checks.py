@@ -19,7 +19,7 @@ from gwgrad.backends import finalize_spec
 from gwgrad.backends.base import LaunchArgs
 from gwgrad.dtypes import DType
 from gwgrad.kernels import compiler
-from gwgrad.spec import StaticSpec
+from gwgrad.spec import StaticSpec, Tuning
 from gwgrad.tensors import TensorDesc
 
 TORCH_TO_DTYPE = {
@@ -48,8 +48,9 @@ def make_spec(arch, hidden, intermediate, experts, a_major="m", b_major="n", ord
         hidden=hidden, intermediate=intermediate, num_experts=experts,
         a_dtype=DType.BFLOAT16, b_dtype=DType.BFLOAT16, wgrad_dtype=TORCH_TO_DTYPE[out],
         acc_dtype=DType.FLOAT32, a_major=a_major, b_major=b_major, input_order=order,
-        output_mode=mode, accumulate=acc, mma_tiler_mn=tile, cluster_shape_mn=cluster,
-        sf_vec_size=16, arch=arch, launches=launches[0] if launches else 0,
+        output_mode=mode, accumulate=acc, sf_vec_size=16, arch=arch,
+        tuning=Tuning(mma_tiler_mn=tile, cluster_shape_mn=cluster,
+                      launches=launches[0] if launches else 0),
     )
 
 

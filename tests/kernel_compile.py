@@ -9,7 +9,7 @@ import dataclasses
 import tempfile
 
 from gwgrad.dtypes import DType
-from gwgrad.spec import StaticSpec
+from gwgrad.spec import StaticSpec, Tuning
 
 OUT_DTYPES = {"bfloat16": DType.BFLOAT16, "float16": DType.FLOAT16, "float32": DType.FLOAT32}
 
@@ -20,8 +20,8 @@ def spec(arch, *, hidden=512, intermediate=768, experts=8, a_major="m", b_major=
         hidden=hidden, intermediate=intermediate, num_experts=experts,
         a_dtype=DType.BFLOAT16, b_dtype=DType.BFLOAT16, wgrad_dtype=OUT_DTYPES[out],
         acc_dtype=DType.FLOAT32, a_major=a_major, b_major=b_major, input_order=order,
-        output_mode=mode, accumulate=acc, mma_tiler_mn=tile, cluster_shape_mn=cluster,
-        sf_vec_size=16, arch=arch,
+        output_mode=mode, accumulate=acc, sf_vec_size=16, arch=arch,
+        tuning=Tuning(mma_tiler_mn=tile, cluster_shape_mn=cluster),
     )
 
 
@@ -65,8 +65,9 @@ def private_dump_dir():
         yield f"--keep-ptx --dump-dir {path}"
 
 
-def replace(s, **kw):
-    return dataclasses.replace(s, **kw)
+def replace(s, **tuning):
+    """``s`` with tuning fields replaced (``StaticSpec.with_tuning``)."""
+    return s.with_tuning(**tuning)
 
 
 def kernel_bodies(ptx: str):

@@ -205,7 +205,7 @@ def test_cuda_lowering_without_a_gpu_holds_the_custom_call(arch, tmp_path):
 def test_the_custom_call_tiles_for_its_static_tokens(monkeypatch):
     """Under jit the token count is static: the custom call's module comes from the operator
     compiled for it (gwgrad.plan.compile_spec with tokens_sum), so JAX gets the same
-    tokens-aware tiling as the core and the other adapters (Backend.tiling_for_tokens), in
+    tokens-aware tiling as the core and the other adapters (the short-expert rules, backends/tuning_rules.py), in
     two launches (XLA's workspace is not zeroed)."""
     from gwgrad import plan
 

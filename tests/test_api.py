@@ -11,6 +11,7 @@ import pytest
 import gwgrad
 from gwgrad import DType, from_pointer
 from gwgrad import backends as backends_mod
+from gwgrad.backends.tuning_rules import REFERENCE, resolve, rules
 from gwgrad.api import TupleDict
 from wgrad_cases import bf16, bf16_problem, layout_a, layout_b, poisoned, random_output
 
@@ -206,12 +207,10 @@ def test_torch_cpu_end_to_end(rng):
 
 class Recorder(gwgrad.Backend):
     name = "recorder"
+    tuning_rules = rules("recorder-tiling: -> 64x128 2x1") + REFERENCE
 
     def __init__(self):
         self.calls, self.compiled, self.checked = [], [], []
-
-    def default_tiling(self, spec):
-        return (64, 128), (2, 1)
 
     def check_support(self, spec):
         self.checked.append(spec)
@@ -283,16 +282,11 @@ def test_cuda_path_class_api_and_discrete_pointers(recorder):
 
 
 def test_the_tokens_reach_the_tiling_choice(recorder, monkeypatch):
-    """A tiling left to gwgrad may depend on the call's tokens (Backend.tiling_for_tokens):
-    the functional API asks with each signature's tokens_sum, the class API with its sample's;
-    a tiling the caller chose is never replaced."""
-    asked = []
-
-    def tiling_for_tokens(spec, tokens_sum):
-        asked.append(tokens_sum)
-        return ((128, 256), (1, 1)) if tokens_sum <= 256 else None
-
-    monkeypatch.setattr(recorder, "tiling_for_tokens", tiling_for_tokens, raising=False)
+    """A tiling left to gwgrad may depend on the call's tokens (a rule on ``tokens``, tokens
+    per expert): the functional API resolves it with each signature's tokens_sum, the class
+    API with its sample's; a tiling the caller chose, even in part, is never replaced."""
+    short = rules("short: open and tokens <= 64 -> 128x256 1x1")
+    monkeypatch.setattr(recorder, "tuning_rules", short + Recorder.tuning_rules)
     h, n, e = 64, 128, 4
     offsets = cuda_desc((e,), None, DType.INT32, 3 << 32)
     out = cuda_desc((e, h, n), None, DType.FLOAT32, 4 << 32)
@@ -304,26 +298,27 @@ def test_the_tokens_reach_the_tiling_choice(recorder, monkeypatch):
                                   current_stream=1, validate_offsets=False, **kw)
         return recorder.calls[-1][1]
 
-    assert call(256).mma_tiler_mn == (128, 256) and asked[-1] == 256
-    assert call(1024).mma_tiler_mn == (64, 128) and asked[-1] == 1024
+    assert call(256).mma_tiler_mn == (128, 256)  # 64 tokens per expert
+    assert call(1024).mma_tiler_mn == (64, 128)
     assert call(256).mma_tiler_mn == (128, 256)  # the cached plan
     assert len(recorder.compiled) == 2
-    n_asked = len(asked)
     assert call(256, mma_tiler_mn=(64, 256)).mma_tiler_mn == (64, 256)
-    assert call(256, cluster_shape_mn=(1, 1)).cluster_shape_mn == (1, 1)
-    assert len(asked) == n_asked  # an explicit tiling: not asked
+    chosen = call(256, cluster_shape_mn=(1, 1))  # the cluster chosen: the token rule is out
+    assert (chosen.mma_tiler_mn, chosen.cluster_shape_mn) == ((64, 128), (1, 1))
     a = cuda_desc((h, 128), (1, h), DType.BFLOAT16, 1 << 32)
     b = cuda_desc((128, n), (n, 1), DType.BFLOAT16, 2 << 32)
     op = gwgrad.GroupedGemmWgrad(a, b, None, None, offsets, out, validate_offsets=False)
     op.compile()
-    assert asked[-1] == 128 and op.spec.mma_tiler_mn == (128, 256)
+    assert op.spec.mma_tiler_mn == (128, 256)  # its sample: 32 tokens per expert
     a2 = cuda_desc((h, 2048), (1, h), DType.BFLOAT16, 1 << 32)
     b2 = cuda_desc((2048, n), (n, 1), DType.BFLOAT16, 2 << 32)
     op.execute(a2, b2, None, None, offsets, out, current_stream=1)  # any tokens_sum runs
     assert recorder.calls[-1][2].tokens_sum == 2048 and recorder.calls[-1][1] == op.spec
 
 
-def test_default_tiling_base_implementation():
+def test_a_backend_without_rules_of_its_own():
+    """A backend that names no rule table gets the reference's: a tiling some GPU kernel runs,
+    every tuning field set."""
     class Minimal(gwgrad.Backend):
         def check_support(self, spec):
             pass
@@ -334,7 +329,12 @@ def test_default_tiling_base_implementation():
         def launch(self, compiled, spec, args):
             pass
 
-    assert Minimal().default_tiling(None) == ((128, 256), (1, 1))
+    from kernel_compile import spec
+
+    assert Minimal().tuning_rules == REFERENCE
+    tuning = resolve(Minimal().tuning_rules, spec("cpu"))
+    assert (tuning.mma_tiler_mn, tuning.cluster_shape_mn) == ((128, 256), (1, 1))
+    assert tuning.raster_group and tuning.epi_buffer_sets and tuning.unit_schedule
     assert Minimal().workspace_bytes(None) == 0
 
 

@@ -98,8 +98,9 @@ def test_discrete_allocated_and_caller_owned():
 
 def test_accumulate_and_one_operator_for_every_tokens_sum():
     """tokens_sum is dynamic: a tiling left to gwgrad depends only on whether the experts are
-    short on average (Backend.tiling_for_tokens), so three tokens_sums, two of them short
-    (<= 384 tokens per expert on this small output), compile at most two kernels."""
+    short on average (the short-expert rules, backends/tuning_rules.py), so three tokens_sums,
+    two of them short (<= 384 tokens per expert on this small output), compile at most two
+    kernels."""
     from gwgrad.kernels import compiler
 
     before = compiler.compile_count  # GPU kernels only (the CPU twin has an operator too)

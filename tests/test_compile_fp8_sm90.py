@@ -35,8 +35,9 @@ def test_recipe_compiles_with_fp8_wgmma(recipe, case):
     _, gemm = kernel_bodies(ptx)
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", gemm)
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16" not in gemm
-    # A and B, plus the scales of each stage when they change along the tokens.
-    assert tma_loads(gemm) == (2 if recipe == "per_expert_channel" else 4)
+    # A and B (the channel recipe's default 2x1 pair multicasts B), plus the scales of each
+    # stage when they change along the tokens.
+    assert tma_loads(gemm) + multicast_loads(gemm) == (2 if recipe == "per_expert_channel" else 4)
     if kw.get("acc"):
         assert "cp.reduce.async.bulk.tensor" in gemm
 

@@ -130,7 +130,6 @@ def test_pingpong_epilogue_buffer_set_per_group(case):
     """spec.epi_buffer_sets=2: each pingpong consumer group stages its epilogue in its own
     buffers, so the EPI_ORDER hand-off (one 256-thread barrier wait) and the per-unit drain of
     the TMA stores before it are gone; everything else stays."""
-    import dataclasses
 
     from kernel_compile import fp8_spec
 
@@ -139,7 +138,7 @@ def test_pingpong_epilogue_buffer_set_per_group(case):
     base = (fp8_spec("sm_90a", recipe, cluster=(1, 1), **case) if recipe
             else spec("sm_90a", cluster=(1, 1), **case))
     shared = compile_ptx(base)
-    split = compile_ptx(dataclasses.replace(base, epi_buffer_sets=2))
+    split = compile_ptx(base.with_tuning(epi_buffer_sets=2))
     check_hopper_ptx(split, base.accumulate)
     (bars, drains), (bars2, drains2) = _epilogue_sync_counts(shared), _epilogue_sync_counts(split)
     assert (bars2, drains2) == (bars - 1, drains - 1), ((bars, drains), (bars2, drains2))
@@ -158,14 +157,13 @@ def test_cooperative_epilogue_buffer_set_per_group(case):
     256-thread one of the shared epilogue), the groups taking turns on the EPI_ORDER
     barriers (one wait and one arrive on a 256-thread barrier per unit), with no store drain
     per unit; the MMA is untouched."""
-    import dataclasses
 
     case = dict(case)
     # One set asked for: on these small outputs a 16-bit default would already be two.
-    base = dataclasses.replace(spec("sm_90a", cluster=case.pop("cluster", (1, 1)), **case),
-                               epi_buffer_sets=1)
+    base = spec("sm_90a", cluster=case.pop("cluster", (1, 1)), **case).with_tuning(
+        epi_buffer_sets=1)
     shared = compile_ptx(base)
-    split = compile_ptx(dataclasses.replace(base, epi_buffer_sets=2))
+    split = compile_ptx(base.with_tuning(epi_buffer_sets=2))
     check_hopper_ptx(split, base.accumulate, cluster=base.cluster_shape_mn != (1, 1))
     # The shared epilogue: two 256-thread barrier waits per sub-tile; split: none.
     assert re.findall(r"bar\.sync\s+\d+, 256;", shared) and not re.findall(
@@ -185,13 +183,11 @@ def test_cooperative_epilogue_buffer_set_per_group(case):
     ("sm_100a", (128, 128), (1, 1), 2, {}),
 ])
 def test_epilogue_buffer_sets_rejected(arch, tile, cluster, sets, extra):
-    import dataclasses
-
     from gwgrad.backends import finalize_spec
 
     with pytest.raises(ValueError, match=rf"^epi_buffer_sets: expected 1.*got {sets}$"):
-        finalize_spec(dataclasses.replace(spec(arch, tile=tile, cluster=cluster),
-                                          epi_buffer_sets=sets, **extra))
+        finalize_spec(spec(arch, tile=tile, cluster=cluster).with_tuning(epi_buffer_sets=sets,
+                                                                         **extra))
 
 
 @pytest.mark.compile

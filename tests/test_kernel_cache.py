@@ -228,14 +228,15 @@ def run_child(code: str, cache_dir: Path) -> str:
 def gemm_spec():
     """A GEMM spec with every tuning field set (what backends.finalize_spec would give)."""
     from gwgrad.dtypes import DType
-    from gwgrad.spec import StaticSpec
+    from gwgrad.spec import StaticSpec, Tuning
 
     return StaticSpec(hidden=256, intermediate=512, num_experts=4, a_dtype=DType.BFLOAT16,
                       b_dtype=DType.BFLOAT16, wgrad_dtype=DType.FLOAT32,
                       acc_dtype=DType.FLOAT32, a_major="m", b_major="n", input_order="tensor2d",
-                      output_mode="dense", accumulate=False, mma_tiler_mn=(128, 128),
-                      cluster_shape_mn=(1, 1), sf_vec_size=16, arch="sm_90a", raster_group=16,
-                      epi_tile_n=32, epi_buffer_sets=1, launches=1, unit_schedule=1)
+                      output_mode="dense", accumulate=False, sf_vec_size=16, arch="sm_90a",
+                      tuning=Tuning(mma_tiler_mn=(128, 128), cluster_shape_mn=(1, 1),
+                                    raster_group=16, epi_tile_n=32, epi_buffer_sets=1,
+                                    launches=1, unit_schedule=1))
 
 
 def test_fresh_process_loads_from_disk_without_the_dsl(cache, recorder):

@@ -56,14 +56,11 @@ SPLIT_CASES = [
 @pytest.mark.parametrize("tile", [(128, 128), (64, 128)], ids=lambda t: f"{t[0]}x{t[1]}")
 @pytest.mark.parametrize("case", range(len(SPLIT_CASES)))
 def test_pingpong_epilogue_buffer_set_per_group(seed, tile, case):
-    import dataclasses
-
     from gpu_kernel_checks import make_spec, run_and_check
 
     majors, order, mode, out_dtype, acc = SPLIT_CASES[case]
-    spec = dataclasses.replace(
-        make_spec("sm_90a", 256, 384, 40, *majors, order, mode, out_dtype, acc,
-                  (tile, (1, 1))), epi_buffer_sets=2)
+    spec = make_spec("sm_90a", 256, 384, 40, *majors, order, mode, out_dtype, acc,
+                     (tile, (1, 1))).with_tuning(epi_buffer_sets=2)
     gen = torch.Generator().manual_seed(seed)
     counts = (torch.randint(0, 40, (40,), generator=gen) * 8).tolist()  # K-major: % 8
     counts[3] = 0
@@ -80,14 +77,11 @@ COOP_SPLIT_TILINGS = [((128, 256), (1, 1)), ((128, 256), (2, 1)), ((128, 192), (
 @pytest.mark.parametrize("tiling", range(len(COOP_SPLIT_TILINGS)))
 @pytest.mark.parametrize("case", range(len(SPLIT_CASES)))
 def test_cooperative_epilogue_buffer_set_per_group(seed, tiling, case):
-    import dataclasses
-
     from gpu_kernel_checks import make_spec, run_and_check
 
     majors, order, mode, out_dtype, acc = SPLIT_CASES[case]
-    spec = dataclasses.replace(
-        make_spec("sm_90a", 320, 512, 40, *majors, order, mode, out_dtype, acc,
-                  COOP_SPLIT_TILINGS[tiling]), epi_buffer_sets=2)
+    spec = make_spec("sm_90a", 320, 512, 40, *majors, order, mode, out_dtype, acc,
+                     COOP_SPLIT_TILINGS[tiling]).with_tuning(epi_buffer_sets=2)
     gen = torch.Generator().manual_seed(seed)
     counts = (torch.randint(0, 40, (40,), generator=gen) * 8).tolist()  # K-major: % 8
     counts[3] = 0
@@ -100,7 +94,6 @@ def test_single_launch_leaves_its_workspace_ready_for_any_grid():
     serves launches of different grid sizes in any order (here 132-CTA and 1-CTA grids,
     alternating), each correct against FP64; a two-launch kernel on the same workspace leaves
     both alone."""
-    import dataclasses
 
     from gpu_kernel_checks import compiled_for, desc, make_operands, make_spec
     from gwgrad import grid as launch_grid
@@ -190,14 +183,12 @@ def _scheduled(case, schedule, dims=(256, 384, 24)):
     """(spec, its finalized spec, backend, compiled kernel, output dtype) of a BALANCED_CASES /
     ZERO_FILL_CASES entry with ``unit_schedule=schedule`` on ``dims`` (hidden, intermediate,
     experts)."""
-    import dataclasses
 
     from gpu_kernel_checks import compiled_for, make_spec
 
     tiling, majors, order, mode, out_dtype, acc = case
-    spec = dataclasses.replace(
-        make_spec("sm_90a", *dims, *majors, order, mode, out_dtype, acc, tiling),
-        unit_schedule=schedule)
+    spec = make_spec("sm_90a", *dims, *majors, order, mode, out_dtype, acc,
+                     tiling).with_tuning(unit_schedule=schedule)
     final, backend, compiled = compiled_for(spec)
     assert final.unit_schedule == schedule
     return spec, final, backend, compiled, out_dtype

@@ -83,12 +83,10 @@ def test_epi_buffer_sets_support_agrees_with_compile(arch, tile, sets):
     what it accepts compiles (a set of epilogue buffers per SM90 consumer group: pingpong,
     or cooperative on 128-row CTA tiles)."""
     pytest.importorskip("cutlass")
-    import dataclasses
-
     from gwgrad import plan
     from gwgrad.backends import finalize_spec
 
-    request = dataclasses.replace(_spec(arch, tile, (1, 1), out="float32"), epi_buffer_sets=sets)
+    request = _spec(arch, tile, (1, 1), out="float32").with_tuning(epi_buffer_sets=sets)
     schedule = SM90_TILES[tile] if arch == "sm_90a" else None
     if epi_buffer_sets_problem(sets, schedule, cta_m=tile[0]) is not None:
         with pytest.raises(ValueError, match=rf"^epi_buffer_sets: expected 1.*got {sets}$"):
@@ -104,11 +102,9 @@ def test_epi_buffer_sets_support_agrees_with_compile(arch, tile, sets):
                                           ((128, 256), 2, True), ((256, 128), 2, False),
                                           ((128, 128), 3, False)])
 def test_the_cpu_reference_takes_the_epi_buffer_sets_a_gpu_kernel_runs(tile, sets, ok):
-    import dataclasses
-
     from gwgrad.backends import finalize_spec
 
-    request = dataclasses.replace(_spec("cpu", tile, (1, 1)), epi_buffer_sets=sets)
+    request = _spec("cpu", tile, (1, 1)).with_tuning(epi_buffer_sets=sets)
     if ok:
         assert finalize_spec(request)[0].epi_buffer_sets == sets
     else:
@@ -137,7 +133,6 @@ def test_the_sm90_default_epilogue_buffer_sets_follow_the_output_size(hidden, in
     128x128 tiles per expert with pingpong tiles, of <= 128 with cooperative 128-row tiles
     (docs/PERFORMANCE.md, defaults and why); a value the caller set stays."""
     pytest.importorskip("cutlass")
-    import dataclasses
 
     from gwgrad.backends import finalize_spec
     from kernel_compile import spec
@@ -148,7 +143,7 @@ def test_the_sm90_default_epilogue_buffer_sets_follow_the_output_size(hidden, in
                    cluster=(1, 1) if tile else None, out=out)
     assert finalize_spec(request)[0].epi_buffer_sets == want
     if want == 2:
-        chosen = dataclasses.replace(request, epi_buffer_sets=1)
+        chosen = request.with_tuning(epi_buffer_sets=1)
         assert finalize_spec(chosen)[0].epi_buffer_sets == 1
     for arch in ("sm_100a", "cpu"):  # no consumer groups / the reference: one set
         other = spec(arch, hidden=hidden, intermediate=intermediate)
@@ -231,14 +226,13 @@ def test_launches_per_call():
     kernels keep the prep kernel (2); JAX's custom call asks for 2 (XLA's workspace is not
     zeroed); anything else is a ValueError naming ``launches``."""
     pytest.importorskip("cutlass")
-    import dataclasses
 
     from gwgrad.backends import finalize_spec
     from kernel_compile import fp8_spec, spec
 
     assert finalize_spec(spec("sm_90a"))[0].launches == 1
     assert finalize_spec(spec("sm_90a", out="float32", acc=True, cluster=(1, 2)))[0].launches == 1
-    assert finalize_spec(dataclasses.replace(spec("sm_90a"), launches=2))[0].launches == 2
+    assert finalize_spec(spec("sm_90a").with_tuning(launches=2))[0].launches == 2
     assert finalize_spec(fp8_spec("sm_90a", "per_expert_channel"))[0].launches == 2
     assert finalize_spec(spec("sm_100a"))[0].launches == 2
     for request, launches, match in (
@@ -246,7 +240,7 @@ def test_launches_per_call():
             (spec("sm_100a"), 1, r"^launches: expected 2 here \(the bf16_sm100"),
             (spec("sm_90a"), 3, r"^launches: expected 1 or 2 kernel launches per call, got 3")):
         with pytest.raises(ValueError, match=match):
-            finalize_spec(dataclasses.replace(request, launches=launches))
+            finalize_spec(request.with_tuning(launches=launches))
 
 
 @pytest.mark.parametrize("arch,schedule,cluster,ok", [
@@ -268,7 +262,7 @@ def test_unit_schedule_one_predicate(arch, schedule, cluster, ok):
     assert unit_schedule_problem(1, True, "sm_90a") is None
     if arch != "cpu":
         pytest.importorskip("cutlass")
-    request = dataclasses.replace(_spec(arch, (128, 128), cluster), unit_schedule=schedule)
+    request = _spec(arch, (128, 128), cluster).with_tuning(unit_schedule=schedule)
     if ok:
         final = finalize_spec(request)[0].unit_schedule
         assert final == schedule if schedule else final in (1, 3)
@@ -293,14 +287,14 @@ def test_unit_schedules_without_a_kernel_are_rejected(arch, schedule):
     if arch != "cpu":
         pytest.importorskip("cutlass")
     cluster = (1, 1) if arch == "sm_100a" else (1, 2)
-    request = dataclasses.replace(_spec(arch, (128, 128), cluster), unit_schedule=schedule)
+    request = _spec(arch, (128, 128), cluster).with_tuning(unit_schedule=schedule)
     with pytest.raises(ValueError, match=want):
         finalize_spec(request)
     if arch == "sm_90a":
         from gwgrad.backends.bf16_sm90 import Bf16Sm90Backend
         from gwgrad.kernels.sm90_bf16 import Sm90GroupedWgrad
 
-        final = finalize_spec(dataclasses.replace(request, unit_schedule=1))[0]
+        final = finalize_spec(request.with_tuning(unit_schedule=1))[0]
         cfg = dataclasses.replace(Bf16Sm90Backend().config(final), unit_schedule=schedule)
         assert Sm90GroupedWgrad.can_implement(cfg)[0] == "unit_schedule"
         with pytest.raises(ValueError, match=want):
@@ -353,11 +347,10 @@ def test_fp8_sm90_default_tiling(recipe, hidden, intermediate, tile, cluster, to
 ])
 def test_sm90_bf16_default_tiling(hidden, intermediate, experts, tokens, out, acc, tile,
                                   cluster, schedule):
-    """The SM90 BF16 defaults (Bf16Sm90Backend.default_tiling / tiling_for_tokens /
-    default_unit_schedule) on the benchmark's shapes (docs/PERFORMANCE.md, defaults and
-    why): CTA pairs with the balanced schedule where they measured faster,
-    the 1x1 dynamic kernel elsewhere, never a pair over an odd count (below 16) of 128-wide
-    tiles along the pair."""
+    """The SM90 BF16 defaults (the SM90_BF16 rules, backends/tuning_rules.py) on the
+    benchmark's shapes (docs/PERFORMANCE.md, defaults and why): CTA pairs with the balanced
+    schedule where they measured faster, the 1x1 dynamic kernel elsewhere, never a pair over an
+    odd count (below 16) of 128-wide tiles along the pair."""
     from gwgrad.backends import finalize_spec
 
     from kernel_compile import spec
@@ -368,7 +361,7 @@ def test_sm90_bf16_default_tiling(hidden, intermediate, experts, tokens, out, ac
     assert (final.mma_tiler_mn, final.cluster_shape_mn, final.unit_schedule) == (
         tile, cluster, schedule)
     if final.unit_schedule != 1:  # a schedule the caller sets stays (dynamic pair)
-        dyn = finalize_spec(dataclasses.replace(request, unit_schedule=1), tokens)[0]
+        dyn = finalize_spec(request.with_tuning(unit_schedule=1), tokens)[0]
         assert dyn.cluster_shape_mn == cluster and dyn.unit_schedule == 1
 
 
@@ -399,7 +392,6 @@ def test_sm90_bf16_pairs_only_when_the_tiling_is_left_open():
 def test_a_set_per_cooperative_group_is_refused_where_the_kernel_cannot_run_it(arch):
     """epi_buffer_sets=2 on a cooperative tile is refused with block-scaled inputs, by the GPU
     backend and by the CPU reference alike (ValueError naming the argument)."""
-    import dataclasses
 
     if arch != "cpu":
         pytest.importorskip("cutlass")
@@ -410,4 +402,4 @@ def test_a_set_per_cooperative_group_is_refused_where_the_kernel_cannot_run_it(a
     want = "with block-scaled inputs on a cooperative tile"
     finalize_spec(request)  # one set: accepted
     with pytest.raises(ValueError, match=rf"^epi_buffer_sets: expected 1 {want}.*got 2$"):
-        finalize_spec(dataclasses.replace(request, epi_buffer_sets=2))
+        finalize_spec(request.with_tuning(epi_buffer_sets=2))

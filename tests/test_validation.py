@@ -14,6 +14,7 @@ import pytest
 import gwgrad
 from gwgrad import DType, from_pointer
 from gwgrad import backends as backends_mod
+from gwgrad.backends.tuning_rules import REFERENCE, rules
 from gwgrad.offsets import check_offsets_values, check_ptr_values, token_count_multiple
 from gwgrad.validation import build_spec, check_call
 from wgrad_cases import bf16, bf16_problem, host_ptrs, layout_a, layout_b
@@ -423,8 +424,7 @@ def test_unsupported_tiling_is_the_backends_call(monkeypatch):
             if spec.mma_tiler_mn != (128, 128):
                 raise ValueError(f"mma_tiler_mn: expected (128, 128), got {spec.mma_tiler_mn}")
 
-        def default_tiling(self, spec):
-            return (128, 128), (1, 1)
+        tuning_rules = rules("picky-tiling: -> 128x128 1x1") + REFERENCE
 
         def compile(self, spec):
             return spec
@@ -438,4 +438,4 @@ def test_unsupported_tiling_is_the_backends_call(monkeypatch):
     final, _ = backends_mod.finalize_spec(spec)
     assert final.mma_tiler_mn == (128, 128) and final.cluster_shape_mn == (1, 1)
     with pytest.raises(ValueError, match="^mma_tiler_mn:"):
-        backends_mod.finalize_spec(dataclasses.replace(spec, mma_tiler_mn=(64, 64)))
+        backends_mod.finalize_spec(spec.with_tuning(mma_tiler_mn=(64, 64)))

@@ -20,6 +20,7 @@ from ..errors import UnsupportedError, arch_names
 from ..spec import StaticSpec
 from ._cutedsl import CuteDslBackend
 from .base import Backend, LaunchArgs
+from .tuning_rules import resolve
 
 __all__ = ["Backend", "CuteDslBackend", "LaunchArgs", "ARCH_BY_CAPABILITY", "detect_arch", "get_backend",
            "finalize_spec", "tiling_for_tokens", "compile_check"]
@@ -100,44 +101,29 @@ def get_backend(spec: StaticSpec) -> Backend:
 
 
 def tiling_for_tokens(spec: StaticSpec, tokens_sum: int) -> StaticSpec:
-    """``spec`` with the tiling its backend picks for ``tokens_sum`` tokens
-    (``Backend.tiling_for_tokens``) when the caller left both fields None and the backend has
-    such a choice; otherwise ``spec`` itself (``finalize_spec`` then fills the default)."""
+    """``spec`` with the tiling its backend's rules pick for ``tokens_sum`` tokens where that
+    differs from their pick for unknown tokens (the short-expert rules) and the caller left
+    both fields None; otherwise ``spec`` itself (``finalize_spec`` then fills the default).
+    Its result is a cache key: requests of one tiling share it."""
     if spec.mma_tiler_mn is not None or spec.cluster_shape_mn is not None:
         return spec
-    choice = get_backend(spec).tiling_for_tokens(spec, tokens_sum)
-    if choice is None:
+    rules = get_backend(spec).tuning_rules
+    known, blind = resolve(rules, spec, tokens_sum), resolve(rules, spec)
+    if (known.mma_tiler_mn, known.cluster_shape_mn) == (blind.mma_tiler_mn,
+                                                        blind.cluster_shape_mn):
         return spec
-    tiler, cluster = choice
-    return dataclasses.replace(spec, mma_tiler_mn=tuple(tiler), cluster_shape_mn=tuple(cluster))
+    return spec.with_tuning(mma_tiler_mn=known.mma_tiler_mn,
+                            cluster_shape_mn=known.cluster_shape_mn)
 
 
 def finalize_spec(spec: StaticSpec,
                   tokens_sum: Optional[int] = None) -> Tuple[StaticSpec, Backend]:
-    """Fill the tuning the caller left unset (tiling None, raster group / epilogue width /
-    epilogue buffer sets 0) with the backend's defaults and check support: a spec this returns
-    compiles. ``tokens_sum``: the call's tokens when known (the backend may tile short experts
-    differently, ``Backend.tiling_for_tokens``); the result runs any tokens_sum."""
-    if tokens_sum is not None:
-        spec = tiling_for_tokens(spec, tokens_sum)
+    """Fill the tuning the caller left unset (None / 0) from the backend's rule table
+    (``Backend.tuning_rules``, gwgrad/backends/tuning_rules.py) and check support: a spec this
+    returns compiles. ``tokens_sum``: the call's tokens when known (the rules may tile short
+    experts differently); the result runs any tokens_sum."""
     backend = get_backend(spec)
-    if spec.mma_tiler_mn is None or spec.cluster_shape_mn is None:
-        tiler, cluster = backend.default_tiling(spec)
-        spec = dataclasses.replace(
-            spec,
-            mma_tiler_mn=tuple(spec.mma_tiler_mn or tiler),
-            cluster_shape_mn=tuple(spec.cluster_shape_mn or cluster),
-        )
-    if not spec.raster_group or not spec.epi_tile_n:
-        raster_group, epi_tile_n = backend.default_tuning(spec)
-        spec = dataclasses.replace(spec, raster_group=spec.raster_group or raster_group,
-                                   epi_tile_n=spec.epi_tile_n or epi_tile_n)
-    if not spec.epi_buffer_sets:
-        spec = dataclasses.replace(spec, epi_buffer_sets=backend.default_epi_buffer_sets(spec))
-    if not spec.launches:
-        spec = dataclasses.replace(spec, launches=backend.default_launches(spec))
-    if not spec.unit_schedule:
-        spec = dataclasses.replace(spec, unit_schedule=backend.default_unit_schedule(spec))
+    spec = dataclasses.replace(spec, tuning=resolve(backend.tuning_rules, spec, tokens_sum))
     backend.check_support(spec)
     return spec, backend
 
@@ -152,7 +138,7 @@ def compile_check(arch: str) -> str:
         hidden=256, intermediate=512, num_experts=4, a_dtype=DType.BFLOAT16,
         b_dtype=DType.BFLOAT16, wgrad_dtype=DType.BFLOAT16, acc_dtype=DType.FLOAT32,
         a_major="m", b_major="n", input_order="tensor2d", output_mode="dense", accumulate=False,
-        mma_tiler_mn=None, cluster_shape_mn=None, sf_vec_size=16, arch=arch)
+        sf_vec_size=16, arch=arch)
     previous = os.environ.get("CUTE_DSL_ARCH")
     os.environ["CUTE_DSL_ARCH"] = arch
     try:

@@ -6,9 +6,9 @@ import abc
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
-from ..kernels.tiling import SCHEDULE_DYNAMIC
 from ..spec import StaticSpec
 from ..tensors import TensorDesc
+from .tuning_rules import REFERENCE, Rule
 
 #: The architectures of each GPU family gwgrad has kernels for (what an UnsupportedError's
 #: ``needs`` names).
@@ -50,47 +50,15 @@ class Backend(abc.ABC):
     ``compile`` returns an opaque handle (the CuTe DSL backends keep compiled kernels on disk
     too: gwgrad.kernel_cache); ``launch`` enqueues the work described by ``args`` on
     ``args.stream``; ``launcher`` gives the per-call path of ``gwgrad.plan`` for CUDA.
+    ``tuning_rules``: the rule table filling the tuning a caller leaves unset
+    (gwgrad/backends/tuning_rules.py; ``backends.finalize_spec`` evaluates it).
     """
 
     name: str = "backend"
+    tuning_rules: Tuple[Rule, ...] = REFERENCE
 
     @abc.abstractmethod
     def check_support(self, spec: StaticSpec) -> None: ...
-
-    def default_tiling(self, spec: StaticSpec) -> Tuple[Tuple[int, int], Tuple[int, int]]:
-        """(mma_tiler_mn, cluster_shape_mn) for a spec whose caller left them None.
-
-        ``spec`` may have either field None; the result fills only those that are.
-        """
-        return (128, 256), (1, 1)
-
-    def tiling_for_tokens(self, spec: StaticSpec,
-                          tokens_sum: int) -> Optional[Tuple[Tuple[int, int], Tuple[int, int]]]:
-        """(mma_tiler_mn, cluster_shape_mn) better than ``default_tiling``'s for a call with
-        ``tokens_sum`` tokens, or None. Asked only when the caller left both None and the
-        tokens are known when the plan is built (the functional API and the adapters: the
-        operand's shape; the class API: its sample's). A kernel so tiled runs any tokens_sum."""
-        return None
-
-    def default_tuning(self, spec: StaticSpec) -> Tuple[int, int]:
-        """(raster_group, epi_tile_n) for a spec whose caller left them 0."""
-        return 16, 64
-
-    def default_epi_buffer_sets(self, spec: StaticSpec) -> int:
-        """Sets of epilogue staging buffers for a (tiled) spec whose caller left it 0: one,
-        the consumer groups take it in turn (kernels without consumer groups have one)."""
-        return 1
-
-    def default_unit_schedule(self, spec: StaticSpec) -> int:
-        """How CTAs take units for a (tiled) spec whose caller left ``unit_schedule`` 0: the
-        dynamic counter (kernels/tiling.py UNIT_SCHEDULES)."""
-        return SCHEDULE_DYNAMIC
-
-    def default_launches(self, spec: StaticSpec) -> int:
-        """Kernel launches per call for a spec whose caller left ``launches`` 0: 1 where the
-        backend's GEMM can do the prep work itself (``single_launch_problem`` is None), else 2
-        (a prep kernel, then the GEMM)."""
-        return 1 if self.single_launch_problem(spec) is None else 2
 
     def single_launch_problem(self, spec: StaticSpec) -> Optional[str]:
         """Why this backend cannot run ``spec`` in one launch (``launches=1``), or None."""

@@ -6,21 +6,12 @@ from __future__ import annotations
 from ..kernels.tiling import sm100_cta_tile_m, sm100_problem
 from ..spec import StaticSpec
 from . import _cutedsl
+from .tuning_rules import SM100
 
 
 class Bf16Sm100Backend(_cutedsl.CuteDslBackend):
     name = "bf16_sm100"
-
-    def default_tiling(self, spec: StaticSpec):
-        # The Blackwell examples' workhorse: a 256-row 2-CTA MMA on a (2, 1) cluster; its two
-        # 256-column accumulators fill the 512 TMEM columns. Narrow outputs take 128 columns.
-        if spec.intermediate <= 128:
-            return (256, 128), (2, 1)
-        return (256, 256), (2, 1)
-
-    def default_tuning(self, spec: StaticSpec):
-        # The epilogue sub-tile comes from the DSL's SM100 helper (epi_tile_n stays 0).
-        return 16, 0
+    tuning_rules = SM100
 
     def tiling_problem(self, spec: StaticSpec):
         return sm100_problem(spec.mma_tiler_mn, spec.cluster_shape_mn)

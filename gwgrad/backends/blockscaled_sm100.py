@@ -12,11 +12,13 @@ from ..kernels.tiling import sm100_blockscaled_problem, sm100_cta_tile_m
 from ..scales import BLOCKED
 from ..spec import StaticSpec
 from . import _cutedsl
+from .tuning_rules import SM100
 from .base import SM90_ARCHS
 
 
 class BlockScaledSm100Backend(_cutedsl.CuteDslBackend):
     name = "blockscaled_sm100"
+    tuning_rules = SM100
 
     def check_spec(self, spec: StaticSpec) -> None:
         if spec.scale_recipe not in (None, BLOCKED):
@@ -32,16 +34,6 @@ class BlockScaledSm100Backend(_cutedsl.CuteDslBackend):
                  f"({spec.scale_recipe}: SM90's FP8 kernel, the only one that takes them)",
                  f"{spec.a_major}/{spec.b_major}-major operands")
         _cutedsl.check_scaled_spec(spec)
-
-    def default_tiling(self, spec: StaticSpec):
-        # The contract's default: a 256x256 2-CTA MMA on a (2, 1) cluster (one accumulator
-        # stage: its 256 columns and the scale factors share the 512 TMEM columns).
-        if spec.intermediate <= 128:
-            return (256, 128), (2, 1)
-        return (256, 256), (2, 1)
-
-    def default_tuning(self, spec: StaticSpec):
-        return 16, 0  # the epilogue sub-tile comes from the DSL's SM100 helper
 
     def tiling_problem(self, spec: StaticSpec):
         return sm100_blockscaled_problem(spec.mma_tiler_mn, spec.cluster_shape_mn)

@@ -10,15 +10,16 @@ import dataclasses
 from ..dtypes import DType
 from ..errors import fail, unsupported
 from ..kernels.tiling import SM90_FP8_TILES, sm90_fp8_problem
-from ..scales import BLOCKED, PER_EXPERT_CHANNEL
+from ..scales import BLOCKED
 from ..spec import StaticSpec
 from . import _cutedsl
 from .base import SM100_ARCHS
-from .bf16_sm90 import _pair_fits
+from .tuning_rules import SM90_FP8
 
 
 class Fp8Sm90Backend(_cutedsl.CuteDslBackend):
     name = "fp8_sm90"
+    tuning_rules = SM90_FP8
 
     def check_spec(self, spec: StaticSpec) -> None:
         for name, dtype in (("a_tensor", spec.a_dtype), ("b_tensor", spec.b_dtype)):
@@ -41,25 +42,6 @@ class Fp8Sm90Backend(_cutedsl.CuteDslBackend):
                  "K-major shared memory only (quantize x and dy transposed, as (hidden, tokens) "
                  "/ (intermediate, tokens) rows)", f"an {word} one")
         _cutedsl.check_scaled_spec(spec)
-
-    def default_tiling(self, spec: StaticSpec):
-        # Channel and 1x128 scales: the cooperative 128x192 tile, the fastest (128x128 on
-        # outputs of at most 128 columns); pingpong 64-row tiles are slower there. Channel
-        # scales (one FADD per element and K block, the lightest promotion) on a 2x1 pair
-        # multicasting B where the pair fits the hidden extent; 1x128 and MXFP8 promote more
-        # per K block and measure slower on pairs. MXFP8: the pingpong 64x128 (one group's
-        # per-32-token promotion beside the other's WGMMAs), level with 128x128 or ahead of
-        # it; 64x192 spills. Measurements: docs/PERFORMANCE.md.
-        if spec.scale_recipe == "blocked":
-            return (64, 128), (1, 1)
-        if spec.intermediate <= 128:
-            return (128, 128), (1, 1)
-        if spec.scale_recipe == PER_EXPERT_CHANNEL and _pair_fits(spec.hidden):
-            return (128, 192), (2, 1)
-        return (128, 192), (1, 1)
-
-    def default_tuning(self, spec: StaticSpec):
-        return 16, (64 if spec.wgrad_dtype.itemsize == 2 else 32)
 
     def tiling_problem(self, spec: StaticSpec):
         return sm90_fp8_problem(spec.mma_tiler_mn, spec.cluster_shape_mn)

@@ -62,22 +62,15 @@ from cutlass.utils.gemm.sm100 import (
 )
 
 from .common import (
-    DESC_A,
-    DESC_B,
-    DESC_C,
     GroupedWgradKernel,
-    ProblemConfig,
-    Workspace,
     acquire_descriptor,
-    ceil_div,
     decode_unit,
-    dense_output_view,
-    expert_output_view,
-    gemm_views,
     output_ptr_ok,
     tma_desc_ptr_for_copy,
     token_origin,
 )
+from .config import (DESC_A, DESC_B, DESC_C, ProblemConfig, Workspace, ceil_div,
+                     dense_output_view, expert_output_view, gemm_views)
 from .tiling import (epi_buffer_sets_problem, sm100_cta_tile_m, sm100_problem,
                      unit_schedule_problem)
 

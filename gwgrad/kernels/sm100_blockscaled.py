@@ -68,14 +68,9 @@ from cutlass import Float32, Int16, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from ..scales import ATOM_ROWS, BLOCKED
-from .common import (
-    ProblemConfig,
-    ScaledEntryPoints,
-    Workspace,
-    scale_columns,
-    write_descriptor,
-    tma_desc_ptr_for_copy,
-)
+from .common import scale_columns, tma_desc_ptr_for_copy, write_descriptor
+from .config import ProblemConfig, Workspace
+from .entry import ScaledEntryPoints
 from .sm100_bf16 import UNIT_WORDS, Sm100GroupedWgrad
 from .tiling import sm100_blockscaled_problem
 from .types import cutlass_type

@@ -60,25 +60,17 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .common import (
     GroupedWgradKernel,
-    DESC_A,
-    DESC_B,
-    DESC_C,
-    STATUS_INT32,
-    ProblemConfig,
-    Workspace,
     acquire_descriptor,
-    ceil_div,
     decode_unit,
-    dense_output_view,
-    expert_output_view,
     bulk_store_from_shared,
-    gemm_views,
     output_ptr_ok,
     store_shared_zeros_16b,
     tma_desc_ptr_for_copy,
     token_origin,
     unit_tile_coords,
 )
+from .config import (DESC_A, DESC_B, DESC_C, STATUS_INT32, ProblemConfig, Workspace, ceil_div,
+                     dense_output_view, expert_output_view, gemm_views)
 from .tiling import (SM90_CLUSTERS, SM90_FP8_CLUSTERS, epi_buffer_sets_problem,
                      unit_schedule_problem, SCHEDULE_BALANCED, BALANCED_SPREAD)
 

@@ -13,6 +13,9 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+from cutlass.cute.nvgpu import cpasync
+
+from .prep import PrepWork
 
 def _aligned(ptr: cute.Pointer, dtype, align: int) -> cute.Pointer:
     """`ptr` re-typed with the alignment the kernels assume (checked on the host)."""
@@ -149,3 +152,59 @@ class ScaledEntryPoints:
                 Int32(sf_capacity),
             ),
         )
+
+
+class GroupedWgradKernel(PrepWork, GemmEntryPoints):
+    """The base of every GEMM kernel class: the entry points, the prep work (kernels/prep.py,
+    whose hooks a kernel implements) and the output's store op.
+
+    Subclasses set `cfg`, `c_dtype` and `epi_tile` and implement `launch(...)` and
+    `expert_load_atoms(a_e, b_e, tiled_mma, a_smem_layout, b_smem_layout) -> (atom_a,
+    atom_b)`: the TMA load atoms of one expert's operand views (their descriptors are what
+    the prep work stores).
+    """
+
+    def expert_output_tensor(self, c_e: cute.Tensor) -> cute.Tensor:
+        """An expert's (hidden, intermediate) output in the form the arch's store atom takes."""
+        return c_e
+
+    def c_store_op(self):
+        if self.cfg.accumulate:
+            return cpasync.CopyReduceBulkTensorTileS2GOp()
+        return cpasync.CopyBulkTensorTileS2GOp()
+
+    @cute.jit
+    def store_subtile(self, tma_atom_c, sC_buf, gC_sub, desc_c, store_pipeline):
+        """The epilogue's store of one staged sub-tile, issued by one warp: shared memory
+        `sC_buf` -> global `gC_sub` with a TMA store, or a TMA reduce-add when accumulating
+        (`c_store_op`), through the atom's dense descriptor (`desc_c` None) or through an
+        expert's descriptor in the workspace (discrete mode: `tma_desc_ptr_for_copy`); then
+        the store group is committed and a staging buffer acquired for reuse."""
+        if cutlass.const_expr(desc_c is None):
+            cute.copy(tma_atom_c, sC_buf, gC_sub)
+        else:
+            cute.copy(tma_atom_c, sC_buf, gC_sub, tma_desc_ptr=desc_c)
+        store_pipeline.producer_commit()
+        store_pipeline.producer_acquire()
+
+    # -- unit hand-off: a producer warp publishes each unit's words to the other roles ------
+    @cute.jit
+    def publish_words(self, sched_pipeline, sched_state, sched_slots, words, lane):
+        """Write ``words`` (a unit's description; its meaning is the kernel's) into the next
+        slot of the ``sched`` ring (a PipelineAsync of 32 producer threads; slots a
+        (words, stages) Int32 tensor in shared memory) and commit it."""
+        sched_pipeline.producer_acquire(sched_state)
+        if lane == 0:
+            for i in cutlass.range_constexpr(len(words)):
+                sched_slots[(i, sched_state.index)] = words[i]
+        sched_pipeline.producer_commit(sched_state)
+
+    @cute.jit
+    def take_words(self, sched_pipeline, sched_state, sched_slots, count: cutlass.Constexpr):
+        """The next published unit's ``count`` words, and the advanced state (returned so that
+        callers inside a dynamic ``if`` rebind it there)."""
+        sched_pipeline.consumer_wait(sched_state)
+        words = [sched_slots[(i, sched_state.index)] for i in range(count)]
+        sched_pipeline.consumer_release(sched_state)
+        sched_state.advance()
+        return words, sched_state

@@ -1,8 +1,8 @@
 """Blackwell (SM100 family) grouped weight-gradient GEMM: W[e] = A[:, tokens_e] @ B[tokens_e, :].
 
 Decomposition: units of (expert, cluster m-tile, n-tile) in the longest-first order of
-kernels/common.py, whose prep kernel (shared with SM90) checks the offsets and writes the
-per-expert token ranges and TMA descriptors before this kernel runs. The grid has one cluster
+kernels/scheduler.py; the prep kernel (kernels/prep.py, shared with SM90) checks the offsets
+and writes the per-expert token ranges and TMA descriptors before this kernel runs. The grid has one cluster
 per unit; cluster launch control (CLC) makes it a dynamic persistent schedule: a running
 cluster cancels the next not-yet-launched cluster and takes its unit, so the hot experts' long
 units, handed out first, do not leave SMs idle at the end.
@@ -61,14 +61,9 @@ from cutlass.utils.gemm.sm100 import (
     transform_partitioned_tensor_layout,
 )
 
-from .common import (
-    GroupedWgradKernel,
-    acquire_descriptor,
-    decode_unit,
-    output_ptr_ok,
-    tma_desc_ptr_for_copy,
-    token_origin,
-)
+from .entry import GroupedWgradKernel
+from .prep import acquire_descriptor, output_ptr_ok, tma_desc_ptr_for_copy, token_origin
+from .scheduler import decode_unit
 from .config import (DESC_A, DESC_B, DESC_C, ProblemConfig, Workspace, ceil_div,
                      dense_output_view, expert_output_view, gemm_views)
 from .tiling import (epi_buffer_sets_problem, sm100_cta_tile_m, sm100_problem,

@@ -1,9 +1,9 @@
 """Hopper (SM90) grouped weight-gradient GEMM: W[e] = A[:, tokens_e] @ B[tokens_e, :].
 
 Decomposition: units of (expert, m-tile, n-tile), longest expert first, only for experts with
-tokens (kernels/common.py: unit order, per-expert K ranges and TMA descriptors, the offsets
-check). One launch per call by default: the CTAs do the prep work themselves and each goes on
-once every expert is prepared (common.prep_handoff, no grid barrier); spec.launches=2 (JAX,
+tokens (kernels/scheduler.py: unit order; kernels/prep.py: per-expert K ranges and TMA
+descriptors, the offsets check). One launch per call by default: the CTAs do the prep work themselves and each goes on
+once every expert is prepared (prep.prep_handoff, no grid barrier); spec.launches=2 (JAX,
 whose workspace is not zeroed) runs the prep kernel first. Every thread reads the offsets
 verdict first; on invalid offsets the CTA exits before any barrier init, load or store.
 
@@ -52,25 +52,17 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, Int64
-from cutlass._mlir.dialects import nvvm
+from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
-from .common import (
-    GroupedWgradKernel,
-    acquire_descriptor,
-    decode_unit,
-    bulk_store_from_shared,
-    output_ptr_ok,
-    store_shared_zeros_16b,
-    tma_desc_ptr_for_copy,
-    token_origin,
-    unit_tile_coords,
-)
 from .config import (DESC_A, DESC_B, DESC_C, STATUS_INT32, ProblemConfig, Workspace, ceil_div,
                      dense_output_view, expert_output_view, gemm_views)
+from .entry import GroupedWgradKernel
+from .prep import acquire_descriptor, output_ptr_ok, tma_desc_ptr_for_copy, token_origin
+from .scheduler import decode_unit, unit_tile_coords
 from .tiling import (SM90_CLUSTERS, SM90_FP8_CLUSTERS, epi_buffer_sets_problem,
                      unit_schedule_problem, SCHEDULE_BALANCED, BALANCED_SPREAD)
 
@@ -108,6 +100,31 @@ class Barrier(enum.IntEnum):
 # ZERO_IN_FLIGHT copies per issuing thread not yet read.
 ZERO_LINE = 512
 ZERO_IN_FLIGHT = 8
+
+
+def bulk_store_from_shared(gaddr: Int64, saddr: Int32, size: Int32, *, loc=None,
+                           ip=None) -> None:
+    """``size`` bytes (a multiple of 16) from shared address ``saddr`` to global ``gaddr``
+    (both 16-byte aligned) by the TMA unit, in the calling thread's current bulk group
+    (``cp.async.bulk.global.shared::cta.bulk_group``). The DSL's ``cpasync.CopyBulkS2GOp``
+    issues the same instruction through a copy atom of a static size; the zero fill's last
+    line of an expert is shorter, so it would need a second atom and tensors around raw
+    addresses."""
+    llvm.inline_asm(None, [Int64(gaddr).ir_value(loc=loc, ip=ip),
+                           Int32(saddr).ir_value(loc=loc, ip=ip),
+                           Int32(size).ir_value(loc=loc, ip=ip)],
+                    "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;", "l,r,r",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+def store_shared_zeros_16b(saddr: Int32, *, loc=None, ip=None) -> None:
+    """16 zero bytes at shared address ``saddr`` (16-byte aligned)."""
+    llvm.inline_asm(None, [Int32(saddr).ir_value(loc=loc, ip=ip)],
+                    "st.shared.v4.b32 [$0], {0, 0, 0, 0};", "r",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
 
 
 class Sm90GroupedWgrad(GroupedWgradKernel):

@@ -45,10 +45,10 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from ..kernels.tiling import SM90_FP8_TILES
 from ..scales import ATOM_BYTES, ATOM_ROWS, BLOCK_1X128, BLOCKED, PER_EXPERT_CHANNEL
-from .common import scale_columns
 from .config import ProblemConfig, Workspace, ceil_div
 from .entry import ScaledEntryPoints
-from .sm90_bf16 import SCHED_STAGES, Sm90GroupedWgrad
+from .prep import scale_columns
+from .sm90_bf16 import Sm90GroupedWgrad
 
 FP8_TILE_K = 128
 

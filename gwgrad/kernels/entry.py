@@ -186,25 +186,3 @@ class GroupedWgradKernel(PrepWork, GemmEntryPoints):
             cute.copy(tma_atom_c, sC_buf, gC_sub, tma_desc_ptr=desc_c)
         store_pipeline.producer_commit()
         store_pipeline.producer_acquire()
-
-    # -- unit hand-off: a producer warp publishes each unit's words to the other roles ------
-    @cute.jit
-    def publish_words(self, sched_pipeline, sched_state, sched_slots, words, lane):
-        """Write ``words`` (a unit's description; its meaning is the kernel's) into the next
-        slot of the ``sched`` ring (a PipelineAsync of 32 producer threads; slots a
-        (words, stages) Int32 tensor in shared memory) and commit it."""
-        sched_pipeline.producer_acquire(sched_state)
-        if lane == 0:
-            for i in cutlass.range_constexpr(len(words)):
-                sched_slots[(i, sched_state.index)] = words[i]
-        sched_pipeline.producer_commit(sched_state)
-
-    @cute.jit
-    def take_words(self, sched_pipeline, sched_state, sched_slots, count: cutlass.Constexpr):
-        """The next published unit's ``count`` words, and the advanced state (returned so that
-        callers inside a dynamic ``if`` rebind it there)."""
-        sched_pipeline.consumer_wait(sched_state)
-        words = [sched_slots[(i, sched_state.index)] for i in range(count)]
-        sched_pipeline.consumer_release(sched_state)
-        sched_state.advance()
-        return words, sched_state

@@ -63,7 +63,7 @@ from cutlass.utils.gemm.sm100 import (
 
 from .entry import GroupedWgradKernel
 from .prep import acquire_descriptor, output_ptr_ok, tma_desc_ptr_for_copy, token_origin
-from .scheduler import decode_unit
+from .scheduler import ClcUnits, decode_unit, publish_words, take_words
 from .config import (DESC_A, DESC_B, DESC_C, ProblemConfig, Workspace, ceil_div,
                      dense_output_view, expert_output_view, gemm_views)
 from .tiling import (epi_buffer_sets_problem, sm100_cta_tile_m, sm100_problem,
@@ -499,18 +499,12 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         b_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape)
 
         clc_response_ptr = storage.clc_response.data_ptr()
-        clc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
 
-        # The scheduler warp starts from its cluster's own unit and publishes every unit it
-        # reads; the other roles take them from the unit ring.
-        unit = bidx // cluster_size
-
         if warp_idx == WarpRole.SCHEDULER:
-            self.scheduler(
-                clc_pipeline, clc_state, clc_response_ptr, unit_pipeline, unit_slots, ws,
-                cluster_size, is_first_cta_in_cluster, unit,
-            )
+            # From the cluster's own unit on; every unit it reads goes to the unit ring.
+            units = ClcUnits(clc_pipeline, clc_response_ptr, cluster_size, bidx // cluster_size)
+            self.scheduler(units, unit_pipeline, unit_slots, ws, is_first_cta_in_cluster)
         if warp_idx == WarpRole.TMA:
             self.tma_loads(
                 tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB, thr_mma, ab_producer,
@@ -540,47 +534,36 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
     # warp roles
     # ------------------------------------------------------------------------------------
     @cute.jit
-    def scheduler(
-        self, clc_pipeline, clc_state, clc_response_ptr, unit_pipeline, unit_slots, ws,
-        cluster_size: cutlass.Constexpr, is_first_cta_in_cluster, unit,
-    ):
-        """Scheduler warp. In the first CTA of the cluster it issues the CLC queries; in every
-        CTA it is the only warp that reads the responses (the CLC slot is free again as soon
-        as every CTA's scheduler has read it), decodes each unit once and publishes it to the
-        TMA, MMA and epilogue warps through the unit ring, ending with a unit of expert -1.
-        With two ring stages the next query goes out while the epilogue still works on the
-        unit before last (cuDNN frontend's wgrad kernel does the same)."""
+    def scheduler(self, units, unit_pipeline, unit_slots, ws, is_first_cta_in_cluster):
+        """Scheduler warp: takes the units from cluster launch control (scheduler.ClcUnits:
+        the first CTA of the cluster issues the queries; in every CTA this warp is the only
+        reader of the responses, so the CLC slot is free again as soon as every CTA's
+        scheduler has read it), decodes each unit once and publishes it to the TMA, MMA and
+        epilogue warps through the unit ring, ending with a unit of expert -1. With two ring
+        stages the next query goes out while the epilogue still works on the unit before last
+        (cuDNN frontend's wgrad kernel does the same)."""
         lane = cute.arch.lane_idx()
         unit_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, UNIT_STAGES)
-        self.publish_words(unit_pipeline, unit_state, unit_slots,
-                           self.unit_words(unit, cutlass.Boolean(True), ws), lane)
+        unit, walk = units.first_unit()
+        publish_words(unit_pipeline, unit_state, unit_slots,
+                      self.unit_words(unit, cutlass.Boolean(True), ws), lane)
         unit_state.advance()
         valid = cutlass.Boolean(True)
         if is_first_cta_in_cluster:
-            clc_prod = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.ProducerConsumer, 1
-            )
+            query = units.first_query()
             while valid:
-                clc_pipeline.producer_acquire(clc_prod)
-                with cute.arch.elect_one():
-                    cute.arch.issue_clc_query(
-                        clc_pipeline.producer_get_barrier(clc_prod), clc_response_ptr
-                    )
-                clc_prod.advance()
-                unit, valid, clc_state = self.next_unit(
-                    clc_pipeline, clc_state, clc_response_ptr, cluster_size
-                )
-                self.publish_words(unit_pipeline, unit_state, unit_slots,
-                                   self.unit_words(unit, valid, ws), lane)
+                units.query(query)
+                query.advance()
+                unit, valid, walk = units.next_unit(unit, walk, lane)
+                publish_words(unit_pipeline, unit_state, unit_slots,
+                              self.unit_words(unit, valid, ws), lane)
                 unit_state.advance()
-            clc_pipeline.producer_tail(clc_prod)
+            units.finish_queries(query)
         else:
             while valid:
-                unit, valid, clc_state = self.next_unit(
-                    clc_pipeline, clc_state, clc_response_ptr, cluster_size
-                )
-                self.publish_words(unit_pipeline, unit_state, unit_slots,
-                                   self.unit_words(unit, valid, ws), lane)
+                unit, valid, walk = units.next_unit(unit, walk, lane)
+                publish_words(unit_pipeline, unit_state, unit_slots,
+                              self.unit_words(unit, valid, ws), lane)
                 unit_state.advance()
 
     @cute.jit
@@ -606,7 +589,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
     def take_unit(self, unit_pipeline, unit_state, unit_slots):
         """The next unit from the scheduler warp: (expert, unit m, unit n, first token,
         k tiles, state); expert < 0 means no more work."""
-        words, unit_state = self.take_words(unit_pipeline, unit_state, unit_slots, UNIT_WORDS)
+        words, unit_state = take_words(unit_pipeline, unit_state, unit_slots, UNIT_WORDS)
         return words[0], words[1], words[2], words[3], words[4], unit_state
 
     @cute.jit
@@ -614,7 +597,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         """The MMA warp's view of the next unit: (expert, k tiles, tokens, state); `tokens`
         is the expert's token count from the unit words where a hook publishes it
         (block-scaled), else 0 (unused)."""
-        words, unit_state = self.take_words(unit_pipeline, unit_state, unit_slots,
+        words, unit_state = take_words(unit_pipeline, unit_state, unit_slots,
                                             self.unit_word_count)
         tokens = Int32(0)
         if cutlass.const_expr(self.unit_word_count > UNIT_WORDS):
@@ -868,28 +851,6 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         c_pipeline.producer_tail()
         tmem.relinquish_alloc_permit()
         tmem.free(tmem_ptr)
-
-    # ------------------------------------------------------------------------------------
-    @cute.jit
-    def next_unit(self, clc_pipeline, clc_state, clc_response_ptr,
-                  cluster_size: cutlass.Constexpr):
-        """The scheduler warp's step to its next unit: wait for the CLC response, read it,
-        hand the slot back. The advanced state is returned (the DSL threads only values
-        rebound in the caller's loop)."""
-        clc_pipeline.consumer_wait(clc_state)
-        unit, valid = self.read_clc_response(clc_response_ptr, cluster_size)
-        clc_pipeline.consumer_release(clc_state)
-        clc_state.advance()
-        return unit, valid, clc_state
-
-    @cute.jit
-    def read_clc_response(self, clc_response_ptr, cluster_size: cutlass.Constexpr):
-        """The unit of the cluster this CTA's cluster just cancelled (grid x = unit * size)."""
-        m_idx, _, _, vld = cute.arch.clc_response(clc_response_ptr)
-        # The response is read through the generic proxy; the next query writes it through
-        # the async proxy.
-        cute.arch.fence_proxy("async.shared", space="cta")
-        return m_idx // cluster_size, vld != 0
 
     @cute.jit
     def store_tile(

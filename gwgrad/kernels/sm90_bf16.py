@@ -8,8 +8,8 @@ whose workspace is not zeroed) runs the prep kernel first. Every thread reads th
 verdict first; on invalid offsets the CTA exits before any barrier init, load or store.
 
 Warp roles (384 threads, one persistent CTA per SM):
-  warp 0       producer(): takes units (unit schedules below), publishes each to the consumers
-               (`sched` ring) and issues the TMA loads of its A (tile_m x 64) and B (tile_n x
+  warp 0       tma_loads(): takes units (unit schedules below), publishes each to the consumers
+               (the unit ring) and issues the TMA loads of its A (tile_m x 64) and B (tile_n x
                64) K-blocks with the expert's descriptors (zero-fill past its last token),
                decoding and prefetching the next unit's descriptors one unit ahead.
   warps 1-3    zero_empty_experts(): TMA bulk copies of a shared line of zeros to the empty
@@ -21,8 +21,8 @@ Warp roles (384 threads, one persistent CTA per SM):
                each group owns every other unit and hands the tensor cores over (MMA_ORDER)
                once its last WGMMA batch is issued; the staging buffers are one set taken in
                turn (EPI_ORDER) or, with epi_buffer_sets=2, a set per group.
-Pipelines: `ab` (TMA -> WGMMA, transaction mbarriers), `sched` (unit ids, producer -> consumers),
-the epilogue's TMA store groups; clusters add the leader's unit mailbox (cluster_next_unit).
+Pipelines: `ab` (TMA -> WGMMA, transaction mbarriers), `unit` (unit ids, TMA warp -> consumers),
+the epilogue's TMA store groups; clusters add the leader's unit mailbox (ClusterMailbox).
 Epilogue: stmatrix into (64|128) x epi_tile_n sub-tiles, each TMA-stored (or reduce-added when
 accumulating) as soon as it is staged (GroupedWgradKernel.store_subtile, shared with SM100).
 
@@ -52,7 +52,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, Int64
-from cutlass._mlir.dialects import llvm, nvvm
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
@@ -62,13 +62,13 @@ from .config import (DESC_A, DESC_B, DESC_C, STATUS_INT32, ProblemConfig, Worksp
                      dense_output_view, expert_output_view, gemm_views)
 from .entry import GroupedWgradKernel
 from .prep import acquire_descriptor, output_ptr_ok, tma_desc_ptr_for_copy, token_origin
-from .scheduler import decode_unit, unit_tile_coords
-from .tiling import (SM90_CLUSTERS, SM90_FP8_CLUSTERS, epi_buffer_sets_problem,
-                     unit_schedule_problem, SCHEDULE_BALANCED, BALANCED_SPREAD)
+from .scheduler import (BalancedUnits, ClusterMailbox, DynamicUnits, decode_unit, publish_words,
+                        take_words, unit_tile_coords)
+from .tiling import (SM90_CLUSTERS, SM90_FP8_CLUSTERS, SCHEDULE_BALANCED,
+                     epi_buffer_sets_problem, unit_schedule_problem)
 
 SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_90")  # 227 KiB per CTA
-SCHED_STAGES = 4
-MBOX_STAGES = 4  # clusters: unit ids the leader CTA hands its peers ahead of use
+UNIT_STAGES = 4  # the unit ring: units the TMA warp publishes ahead of the consumer groups
 SMEM_RESERVED = 2048  # mbarriers, the unit ring, alignment
 MAX_AB_STAGE = 8
 
@@ -367,8 +367,8 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         @cute.struct
         class SharedStorage:
             ab_mbar: cute.struct.MemRange[Int64, self.ab_stage * 2]
-            sched_mbar: cute.struct.MemRange[Int64, SCHED_STAGES * 2]
-            sched_slots: cute.struct.MemRange[Int32, SCHED_STAGES * 4]  # 16 B: 3 words used
+            unit_mbar: cute.struct.MemRange[Int64, UNIT_STAGES * 2]
+            unit_slots: cute.struct.MemRange[Int32, UNIT_STAGES * 4]  # 16 B: 3 words used
             # The zero fill's source line (in the padding before sA's 1024-byte alignment).
             zero_line: cute.struct.Align[cute.struct.MemRange[Int32, ZERO_LINE // 4], 128]
             sA: cute.struct.Align[
@@ -387,10 +387,12 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         @cute.struct
         class ClusterStorage:
             gemm: SharedStorage
-            # The unit mailbox (cluster_next_unit): full barriers (the peers'), empty
+            # The unit mailbox (scheduler.ClusterMailbox): full barriers (the peers'), empty
             # barriers (the leader's), one 16-byte slot per stage.
-            mbox_mbar: cute.struct.MemRange[Int64, MBOX_STAGES * 2]
-            mbox_slots: cute.struct.Align[cute.struct.MemRange[Int32, MBOX_STAGES * 4], 16]
+            mbox_mbar: cute.struct.MemRange[Int64, ClusterMailbox.STAGES * 2]
+            mbox_slots: cute.struct.Align[
+                cute.struct.MemRange[Int32, ClusterMailbox.STAGES * 4], 16
+            ]
 
         return ClusterStorage
 
@@ -478,26 +480,20 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             cta_layout_vmnk=self.cluster_layout_vmnk(),
             defer_sync=True,
         )
-        sched_pipeline = pipeline.PipelineAsync.create(
-            barrier_storage=storage.sched_mbar.data_ptr(),
-            num_stages=SCHED_STAGES,
+        unit_pipeline = pipeline.PipelineAsync.create(
+            barrier_storage=storage.unit_mbar.data_ptr(),
+            num_stages=UNIT_STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
             defer_sync=True,
         )
-        sched_slots = cute.make_tensor(
-            storage.sched_slots.data_ptr(), cute.make_layout((4, SCHED_STAGES))
+        unit_slots = cute.make_tensor(
+            storage.unit_slots.data_ptr(), cute.make_layout((4, UNIT_STAGES))
         )
         mailbox = self.mailbox(all_storage)
         if cutlass.const_expr(mailbox is not None):
-            # Full: one local arrive (the peer's expect-tx) + the leader's 4-byte st.async;
-            # empty (the leader's): one arrive per peer. Published to the cluster by the
-            # fence and the cluster barrier below.
-            if warp_idx == 0 and tidx == 0:
-                for i in cutlass.range_constexpr(MBOX_STAGES):
-                    cute.arch.mbarrier_init(mailbox[0] + i, 1)
-                    cute.arch.mbarrier_init(mailbox[1] + i, self.cluster_size - 1)
-            cute.arch.mbarrier_init_fence()
+            # Published to the cluster by the cluster barrier below.
+            mailbox.init_barriers(warp_idx == 0 and tidx == 0)
         pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
@@ -511,9 +507,9 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         if warp_group_idx == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == WarpRole.TMA:
-                self.producer(
+                self.tma_loads(
                     tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB,
-                    ab_pipeline, sched_pipeline, sched_slots, ws, scales, smem_scales, mailbox,
+                    ab_pipeline, unit_pipeline, unit_slots, ws, scales, smem_scales, mailbox,
                 )
             elif cutlass.const_expr(not self.cfg.accumulate):
                 self.zero_empty_experts(ws, c_out, wgrad_ptrs, tidx - WARP_SIZE,
@@ -522,7 +518,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consumer(
                 tiled_mma, tma_atom_c, mC_coord, wgrad_ptrs, sA, sB, sC,
-                ab_pipeline, sched_pipeline, sched_slots, ws, tidx, warp_idx, warp_group_idx - 1,
+                ab_pipeline, unit_pipeline, unit_slots, ws, tidx, warp_idx, warp_group_idx - 1,
                 scales, smem_scales,
             )
 
@@ -558,31 +554,38 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         return storage
 
     def mailbox(self, storage):
-        """Clusters: (full barriers, empty barriers, slots) of the unit mailbox; else None."""
+        """Clusters: the unit mailbox (scheduler.ClusterMailbox) in `storage`; else None."""
         if cutlass.const_expr(self.cluster_size == 1):
             return None
         full = storage.mbox_mbar.data_ptr()
-        return full, full + MBOX_STAGES, storage.mbox_slots.data_ptr()
+        return ClusterMailbox(full, full + ClusterMailbox.STAGES, storage.mbox_slots.data_ptr(),
+                              self.cluster_size)
 
     def scale_buffers(self, storage):
         """The shared-memory scale buffers in `storage` (None: none)."""
         return None
 
     # ------------------------------------------------------------------------------------
+    def unit_scheduler(self, ws, first, grid, mailbox):
+        """The unit schedule of cfg.unit_schedule (kernels/scheduler.py), from unit `first`
+        (this CTA's or cluster's index) among `grid` CTAs (clusters)."""
+        if cutlass.const_expr(self.cfg.unit_schedule == SCHEDULE_BALANCED):
+            return BalancedUnits(self.cfg, ws, first, grid, mailbox)
+        return DynamicUnits(ws, first, grid, mailbox)
+
     @cute.jit
-    def producer(
+    def tma_loads(
         self, tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB,
-        ab_pipeline, sched_pipeline, sched_slots, ws, scales, smem_scales, mailbox=None,
+        ab_pipeline, unit_pipeline, unit_slots, ws, scales, smem_scales, mailbox=None,
     ):
+        """Warp TMA: takes units from the unit scheduler, publishes each to the consumer
+        groups (the unit ring) and loads its A and B K-blocks (and scales) into the A/B ring;
+        a cluster's CTAs walk the same units and multicast the shared operand."""
         cfg = self.cfg
         lane = cute.arch.lane_idx()
         ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-        sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
-        # Units: the block's (cluster's) index first, then the atomic counter; a cluster's
-        # CTAs walk the same units, which its leader takes and hands to its peers
-        # (cluster_next_unit). The shared operands are multicast.
-        coord, unit, grid = self.cluster_coord()
-        seq = Int32(0)  # clusters: unit ids taken from the mailbox so far
+        unit_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, UNIT_STAGES)
+        coord, first, grid = self.cluster_coord()
         a_mask, b_mask = None, None
         a_part, b_part = (0, cute.make_layout(1)), (0, cute.make_layout(1))
         if cutlass.const_expr(self.cluster_size > 1):
@@ -597,31 +600,20 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         # Units are decoded one ahead: the next unit's counter atomic, its workspace reads and
         # its descriptors' acquire + prefetch overlap the current unit's loads, so the TMA
         # ring does not run dry at unit boundaries.
-        expert, tile_m, tile_n, begin, k_tiles = decode_unit(
-            cfg, cutlass.min(unit, cfg.num_units - 1), ws
+        expert, unit_m, unit_n, begin, k_tiles = decode_unit(
+            cfg, cutlass.min(first, cfg.num_units - 1), ws
         )
         self.acquire_descriptors(ws, expert)
         # Only the experts with tokens get units (ranks 0 .. live-1); warps ZERO.. zero the
         # others' outputs (zero_empty_experts), or there is nothing to add when accumulating.
         live_units = ws.live[0] * cfg.tiles_per_expert
-        # Static units (a balanced schedule decides per launch): each CTA of a cluster computes
-        # the same sequence, so there is nothing to hand off.
-        static = Int32(0)  # balanced: this launch's choice (dynamic is fixed)
-        if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_BALANCED):
-            static = self.counts_balanced(ws, grid)
+        units = self.unit_scheduler(ws, first, grid, mailbox)  # balanced: decided here
+        unit, walk = units.first_unit()
         while unit < live_units:
-            self.publish(sched_pipeline, sched_state, sched_slots, unit, expert, k_tiles, lane)
-            sched_state.advance()
-            nxt = Int32(0)
-            if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_BALANCED):
-                if static != 0:
-                    nxt = unit + grid
-                else:
-                    nxt, seq = self.dynamic_next_unit(ws, mailbox, seq, grid, lane)
-            else:
-                nxt, seq = self.dynamic_next_unit(ws, mailbox, seq, grid, lane)
-            nxt = cute.arch.shuffle_sync(nxt, 0)
-            n_expert, n_tile_m, n_tile_n, n_begin, n_k_tiles = decode_unit(
+            self.publish_unit(unit_pipeline, unit_state, unit_slots, unit, expert, k_tiles, lane)
+            unit_state.advance()
+            nxt, _, walk = units.next_unit(unit, walk, lane)
+            n_expert, n_unit_m, n_unit_n, n_begin, n_k_tiles = decode_unit(
                 cfg, cutlass.min(nxt, cfg.num_units - 1), ws
             )
             if n_expert != expert:
@@ -633,19 +625,19 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                                             token_origin(begin, cfg.a_ragged_block), a_part)
             tBsB, tBgB = self.operand_tiles(tma_atom_b, mB_coord, sB, self.cta_n,
                                             token_origin(begin, cfg.b_ragged_block), b_part)
-            cta_m, cta_n = self.cta_tile(coord, tile_m, tile_n)
+            tile_m, tile_n = self.cta_tile(coord, unit_m, unit_n)
             unit_sf = None
             if cutlass.const_expr(scales is not None):
-                unit_sf = self.unit_scale_origin(ws, expert, cta_m, cta_n)
+                unit_sf = self.unit_scale_origin(ws, expert, tile_m, tile_n)
             for kt in cutlass.range(k_tiles, unroll=1):
                 ab_pipeline.producer_acquire(ab_state)
                 bar = ab_pipeline.producer_get_barrier(ab_state)
                 cute.copy(
-                    tma_atom_a, tAgA[(None, cta_m, kt)], tAsA[(None, ab_state.index)],
+                    tma_atom_a, tAgA[(None, tile_m, kt)], tAsA[(None, ab_state.index)],
                     tma_bar_ptr=bar, tma_desc_ptr=desc_a, mcast_mask=a_mask,
                 )
                 cute.copy(
-                    tma_atom_b, tBgB[(None, cta_n, kt)], tBsB[(None, ab_state.index)],
+                    tma_atom_b, tBgB[(None, tile_n, kt)], tBsB[(None, ab_state.index)],
                     tma_bar_ptr=bar, tma_desc_ptr=desc_b, mcast_mask=b_mask,
                 )
                 if cutlass.const_expr(scales is not None):
@@ -653,18 +645,13 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 ab_pipeline.producer_commit(ab_state)
                 ab_state.advance()
             unit = nxt
-            expert, tile_m, tile_n, begin, k_tiles = n_expert, n_tile_m, n_tile_n, n_begin, n_k_tiles
+            expert, unit_m, unit_n, begin, k_tiles = n_expert, n_unit_m, n_unit_n, n_begin, n_k_tiles
         # Tell the consumers there is no more work.
-        self.publish(sched_pipeline, sched_state, sched_slots, unit, Int32(-1), Int32(0), lane)
+        self.publish_unit(unit_pipeline, unit_state, unit_slots, unit, Int32(-1), Int32(0), lane)
         ab_pipeline.producer_tail(ab_state)
-        if cutlass.const_expr(self.cluster_size > 1):
-            # The leader stays until every peer has taken every unit id it sent (their
-            # arrives land in its shared memory), as producer_tail does for the stages; after
-            # a static launch of a balanced schedule it sent none (seq 0: the waits pass).
-            if self.is_cluster_leader() and lane == 0:
-                for i in cutlass.range_constexpr(MBOX_STAGES):
-                    cute.arch.mbarrier_wait(mailbox[1] + (seq + i) % MBOX_STAGES,
-                                            ((seq + i) // MBOX_STAGES + 1) % 2)
+        # Clusters: the leader stays until every peer has taken every unit it sent, as
+        # producer_tail does for the stages.
+        units.finish(walk, lane)
 
     @cute.jit
     def zero_empty_experts(self, ws, c_out, wgrad_ptrs, tid, zero_line):
@@ -708,62 +695,6 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             # The line must stay until the TMA unit has read it for every copy.
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-    def is_cluster_leader(self):
-        """Whether this CTA (rank 0 of its cluster) takes the cluster's units."""
-        return cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) == 0
-
-    @cute.jit
-    def dynamic_next_unit(self, ws, mailbox, seq, base, lane):
-        """(the next unit on lane 0, the mailbox sequence number after it) of the dynamic
-        schedule: the counter's next value + base (the grid: every CTA (cluster) started with
-        its index), through the leader on a cluster."""
-        nxt = Int32(0)
-        if cutlass.const_expr(self.cluster_size == 1):
-            if lane == 0:
-                nxt = cute.arch.atomic_add(ws.counter.iterator, Int32(1)) + base
-        else:
-            nxt = self.cluster_next_unit(ws, mailbox, seq, base, lane)
-            seq += 1
-        return nxt, seq
-
-    @cute.jit
-    def counts_balanced(self, ws, grid):
-        """Balanced schedule: 1 when this launch's counts let a static order run (the largest
-        count minus the smallest nonzero one, the most two CTAs' static shares can differ by
-        when units go longest expert first, is at most 1/BALANCED_SPREAD of one CTA's
-        (cluster's) share of the work), else 0. The prep work wrote both words."""
-        spread = Int64(ws.spread[0])
-        share = Int64(ws.tokens[0]) * self.cfg.tiles_per_expert
-        return Int32(spread * BALANCED_SPREAD * Int64(grid) <= share)
-
-    @cute.jit
-    def cluster_next_unit(self, ws, mailbox, seq, base, lane):
-        """The cluster's next unit (lane 0; the other lanes get 0), its `seq`-th from the
-        counter. The leader takes it (atomic add, + base: the clusters that started with their
-        index) and stores it into each peer's mailbox
-        slot with st.async, which completes the peer's full barrier; a peer waits for it and
-        acknowledges on the leader's empty barrier, which the leader waits on before reusing
-        the slot. Every CTA of the cluster therefore walks the same units, taken dynamically
-        like the 1x1 kernel's."""
-        full, empty, slots = mailbox
-        slot = seq % MBOX_STAGES
-        phase = (seq // MBOX_STAGES) % 2
-        nxt = Int32(0)
-        if lane == 0:
-            if self.is_cluster_leader():
-                cute.arch.mbarrier_wait(empty + slot, phase ^ 1)
-                nxt = cute.arch.atomic_add(ws.counter.iterator, Int32(1)) + base
-                for peer in cutlass.range_constexpr(1, self.cluster_size):
-                    cute.arch.store_async_dsmem(slots + 4 * slot, nxt, full + slot, peer)
-            else:
-                cute.arch.mbarrier_arrive_and_expect_tx(full + slot, 4)
-                cute.arch.mbarrier_wait(full + slot, phase)
-                nxt = (slots + 4 * slot).load()
-                # Cluster scope: the slot's read is ordered before the leader reuses it.
-                cute.arch.mbarrier_arrive(empty + slot, peer_cta_rank_in_cluster=0,
-                                          scope=nvvm.MemScopeKind.CLUSTER)
-        return nxt
-
     @cute.jit
     def operand_tiles(self, tma_atom, mX_coord, sX, rows: cutlass.Constexpr, k0, part):
         """TMA partitions of one operand's (rows x 64) K-blocks, from token coordinate k0.
@@ -785,15 +716,15 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             acquire_descriptor(ws, expert, slot)
 
     @cute.jit
-    def publish(self, sched_pipeline, sched_state, sched_slots, unit, expert, k_tiles, lane):
-        self.publish_words(sched_pipeline, sched_state, sched_slots, (unit, expert, k_tiles),
-                           lane)
+    def publish_unit(self, unit_pipeline, unit_state, unit_slots, unit, expert, k_tiles, lane):
+        """A unit's words for the consumer groups: (unit, expert, k_tiles)."""
+        publish_words(unit_pipeline, unit_state, unit_slots, (unit, expert, k_tiles), lane)
 
     @cute.jit
-    def take(self, sched_pipeline, sched_state, sched_slots):
+    def take_unit(self, unit_pipeline, unit_state, unit_slots):
         """Next published unit: (unit, expert, k_tiles); expert < 0 means no more work."""
-        words, sched_state = self.take_words(sched_pipeline, sched_state, sched_slots, 3)
-        return words[0], words[1], words[2], sched_state
+        words, unit_state = take_words(unit_pipeline, unit_state, unit_slots, 3)
+        return words[0], words[1], words[2], unit_state
 
     @cute.jit
     def skip(self, ab_read, ab_release, k_tiles):
@@ -806,7 +737,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     @cute.jit
     def consumer(
         self, tiled_mma, tma_atom_c, mC_coord, wgrad_ptrs, sA, sB, sC,
-        ab_pipeline, sched_pipeline, sched_slots, ws, tidx, warp_idx, mma_group,
+        ab_pipeline, unit_pipeline, unit_slots, ws, tidx, warp_idx, mma_group,
         scales, smem_scales,
     ):
         cfg = self.cfg
@@ -870,7 +801,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
 
         ab_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         ab_release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-        sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
+        unit_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, UNIT_STAGES)
         # Pingpong hand-offs: both consumer groups meet at each (one arrives, one waits).
         both = self.num_mma_threads
         mma_order_self = pipeline.NamedBarrier(int(Barrier.MMA_ORDER) + mma_group, both)
@@ -892,8 +823,8 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         # A/B stages a group is ahead by stay held until the other group releases them.
         epi_turns = epi_ordered or self.coop_split
 
-        unit, expert, k_tiles, sched_state = self.take(
-            sched_pipeline, sched_state, sched_slots
+        unit, expert, k_tiles, unit_state = self.take_unit(
+            unit_pipeline, unit_state, unit_slots
         )
         if cutlass.const_expr(self.coop_split):
             if mma_group == 0:
@@ -908,8 +839,8 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 # Group 1 starts with the second unit: skip the first one's stages.
                 if expert >= 0:
                     ab_read, ab_release = self.skip(ab_read, ab_release, k_tiles)
-                    unit, expert, k_tiles, sched_state = self.take(
-                        sched_pipeline, sched_state, sched_slots
+                    unit, expert, k_tiles, unit_state = self.take_unit(
+                        unit_pipeline, unit_state, unit_slots
                     )
 
         coord, _, _ = self.cluster_coord()
@@ -980,15 +911,15 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             if cutlass.const_expr(epi_turns):
                 epi_order_peer.arrive()
 
-            unit, expert, k_tiles, sched_state = self.take(
-                sched_pipeline, sched_state, sched_slots
+            unit, expert, k_tiles, unit_state = self.take_unit(
+                unit_pipeline, unit_state, unit_slots
             )
             if cutlass.const_expr(self.pingpong):
                 if expert >= 0:
                     # Skip the peer group's unit.
                     ab_read, ab_release = self.skip(ab_read, ab_release, k_tiles)
-                    unit, expert, k_tiles, sched_state = self.take(
-                        sched_pipeline, sched_state, sched_slots
+                    unit, expert, k_tiles, unit_state = self.take_unit(
+                        unit_pipeline, unit_state, unit_slots
                     )
 
         if is_store_warp:

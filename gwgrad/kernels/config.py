@@ -250,7 +250,7 @@ def expert_output_view(cfg: ProblemConfig, c_ptr):
 
 
 # ----------------------------------------------------------------------------------------
-# Workspace access
+# Workspace access; objects the kernels' loops use
 # ----------------------------------------------------------------------------------------
 
 
@@ -299,3 +299,15 @@ class Workspace:
     def desc_ptr(self, expert: Int32, slot: int) -> cute.Pointer:
         off = self.cfg.desc_offset + (Int64(expert) * self.cfg.desc_slots + slot) * DESC_BYTES
         return (self.base + off).align(DESC_BYTES)
+
+
+class LoopInvariant:
+    """An object whose values are all set before the dynamic loops that use it and never
+    change in them: it carries no value through them (the DSL asks every object a loop body
+    calls a method of for the values to carry)."""
+
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self

@@ -172,17 +172,3 @@ class GroupedWgradKernel(PrepWork, GemmEntryPoints):
         if self.cfg.accumulate:
             return cpasync.CopyReduceBulkTensorTileS2GOp()
         return cpasync.CopyBulkTensorTileS2GOp()
-
-    @cute.jit
-    def store_subtile(self, tma_atom_c, sC_buf, gC_sub, desc_c, store_pipeline):
-        """The epilogue's store of one staged sub-tile, issued by one warp: shared memory
-        `sC_buf` -> global `gC_sub` with a TMA store, or a TMA reduce-add when accumulating
-        (`c_store_op`), through the atom's dense descriptor (`desc_c` None) or through an
-        expert's descriptor in the workspace (discrete mode: `tma_desc_ptr_for_copy`); then
-        the store group is committed and a staging buffer acquired for reuse."""
-        if cutlass.const_expr(desc_c is None):
-            cute.copy(tma_atom_c, sC_buf, gC_sub)
-        else:
-            cute.copy(tma_atom_c, sC_buf, gC_sub, tma_desc_ptr=desc_c)
-        store_pipeline.producer_commit()
-        store_pipeline.producer_acquire()

@@ -35,7 +35,7 @@ from cutlass import Int32, Int64
 import cutlass.pipeline as pipeline
 from cutlass._mlir.dialects import nvvm
 
-from .config import Workspace
+from .config import LoopInvariant, Workspace
 from .tiling import BALANCED_SPREAD
 
 
@@ -81,18 +81,6 @@ def unit_tile_coords(cfg: cutlass.Constexpr, local: Int32):
 # ----------------------------------------------------------------------------------------
 # The scheduler interface and its variants
 # ----------------------------------------------------------------------------------------
-
-
-class LoopInvariant:
-    """An object whose values are all set before the dynamic loops that use it and never
-    change in them: it carries no value through them (the DSL asks every object a loop body
-    calls a method of for the values to carry)."""
-
-    def __extract_mlir_values__(self):
-        return []
-
-    def __new_from_mlir_values__(self, values):
-        return self
 
 
 class UnitScheduler(LoopInvariant):

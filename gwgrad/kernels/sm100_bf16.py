@@ -19,7 +19,7 @@ Warp roles (224 threads per CTA), after the CuTe DSL Blackwell examples
              so one unit's epilogue overlaps the next unit's mainloop; a 256-row tile is one
              2-CTA MMA (cta_group::2) issued by the pair's leader.
   warps 0-3  epilogue(): allocate TMEM (warp 0); per unit store_tile(): TMEM -> registers ->
-             output dtype -> shared memory -> TMA store or reduce-add (store_subtile, shared
+             output dtype -> shared memory -> TMA store or reduce-add (SubtileStore, shared
              with SM90). Empty experts store zeros (nothing when accumulating); an MMA of the
              cluster whose rows lie past the output stores nothing.
 Pipelines: ab (TMA -> UMMA, transaction mbarriers), acc (UMMA -> epilogue, TMEM stages), clc
@@ -62,9 +62,10 @@ from cutlass.utils.gemm.sm100 import (
 )
 
 from .entry import GroupedWgradKernel
+from .epilogue import SubtileStore
 from .prep import acquire_descriptor, output_ptr_ok, tma_desc_ptr_for_copy, token_origin
 from .scheduler import ClcUnits, decode_unit, publish_words, take_words
-from .config import (DESC_A, DESC_B, DESC_C, ProblemConfig, Workspace, ceil_div,
+from .config import (DESC_A, DESC_B, DESC_C, LoopInvariant, ProblemConfig, Workspace, ceil_div,
                      dense_output_view, expert_output_view, gemm_views)
 from .tiling import (epi_buffer_sets_problem, sm100_cta_tile_m, sm100_problem,
                      unit_schedule_problem)
@@ -765,7 +766,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         acc_state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Consumer, self.acc_stage
         )
-        c_pipeline = pipeline.PipelineTmaStore.create(
+        store_pipeline = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stage,
             producer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, self.num_epi_threads
@@ -789,6 +790,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             tma_atom_c, 0, cute.make_layout(1),
             cute.group_modes(sC, 0, 2), cute.group_modes(tCgC_epi, 0, 2),
         )
+        subtile_store = SubtileStore(self.c_dtype, tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c,
+                                     self.epi_stage, store_pipeline, epi_bar)
         n_done = Int32(0)
         unit_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, UNIT_STAGES)
         expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
@@ -815,9 +818,8 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                 if cutlass.const_expr(cfg.output_mode == "dense"):
                     bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, expert)]
                     self.store_tile(
-                        tTR_tAcc_base, acc_pipeline, acc_state, k_tiles, tiled_copy_t2r,
-                        tTR_rAcc, tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC,
-                        None, c_pipeline, epi_bar, warp_idx, n_done, alpha,
+                        subtile_store, tTR_tAcc_base, acc_pipeline, acc_state, k_tiles,
+                        tiled_copy_t2r, tTR_rAcc, bSG_sC, bSG_gC, None, warp_idx, n_done, alpha,
                     )
                 else:
                     bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, 0)]
@@ -825,9 +827,9 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                         acquire_descriptor(ws, expert, DESC_C)
                     desc_c = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_C))
                     self.store_tile(
-                        tTR_tAcc_base, acc_pipeline, acc_state, k_tiles, tiled_copy_t2r,
-                        tTR_rAcc, tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC,
-                        desc_c, c_pipeline, epi_bar, warp_idx, n_done, alpha,
+                        subtile_store, tTR_tAcc_base, acc_pipeline, acc_state, k_tiles,
+                        tiled_copy_t2r, tTR_rAcc, bSG_sC, bSG_gC, desc_c, warp_idx, n_done,
+                        alpha,
                     )
                 n_done += 1
             # Every epilogue thread releases the stage (as torch_grouped_mm does); an empty
@@ -848,56 +850,72 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
                 unit_pipeline, unit_state, unit_slots
             )
-        c_pipeline.producer_tail()
+        store_pipeline.producer_tail()
         tmem.relinquish_alloc_permit()
         tmem.free(tmem_ptr)
 
     @cute.jit
     def store_tile(
-        self, tTR_tAcc_base, acc_pipeline, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc,
-        tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, desc_c, c_pipeline,
-        epi_bar, warp_idx, n_done, alpha,
+        self, subtile_store, tTR_tAcc_base, acc_pipeline, acc_state, k_tiles, tiled_copy_t2r,
+        tTR_rAcc, bSG_sC, bSG_gC, desc_c, warp_idx, n_done, alpha,
     ):
-        """TMEM -> registers (times `alpha` unless None) -> output dtype -> shared memory ->
-        TMA store, sub-tile by sub-tile (the store itself: store_subtile, issued by the first
-        epilogue warp).
-
-        Overlapping accumulator buffers (block-scaled, tile_n = 256; see acc_fragment
-        there): buffer 0's sub-tiles go last to first, buffer 1's first to last, so the
-        columns the two buffers share come first; once those are in registers (after
-        acc_release_subtile) this thread releases the stage and the MMA warp may start the
-        next unit in the other buffer while the rest of this one is stored. The staging
-        buffer follows the issue order, so consecutive stores never share one."""
+        """The unit's accumulator from TMEM (TmemAccumulator: times `alpha` unless None) to
+        the output, sub-tile by sub-tile (epilogue.SubtileStore; the stores issued by the
+        first epilogue warp)."""
         acc_buf = self.acc_buffer(acc_state, False)
         tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_buf)]
         tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
         bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
         subtiles = cute.size(tTR_tAcc.shape, mode=[3])
-        first = n_done * subtiles
-        for sub in cutlass.range(subtiles):
-            real = sub
-            if cutlass.const_expr(self.overlapping_accum):
-                if acc_buf == 0:
-                    real = subtiles - 1 - sub
-            acc_vec = cute.zeros_like(tiled_copy_r2s.retile(tTR_rAcc))
-            if k_tiles > 0:
-                cute.copy(tiled_copy_t2r, tTR_tAcc[(None, None, None, real)], tTR_rAcc)
-                if cutlass.const_expr(self.overlapping_accum):
-                    if sub == self.acc_release_subtile:
-                        # This thread's TMEM loads of the shared columns are complete.
-                        cute.arch.fence_view_async_tmem_load()
-                        acc_pipeline.consumer_release(acc_state)
-                acc_vec = tiled_copy_r2s.retile(tTR_rAcc).load()
-                if cutlass.const_expr(alpha is not None):
-                    acc_vec = acc_vec * alpha
-            tRS_rC.store(acc_vec.to(self.c_dtype))
-            buf = (first + sub) % self.epi_stage
-            cute.copy(tiled_copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-            # Register -> shared writes (generic proxy) before the TMA store (async proxy).
-            cute.arch.fence_proxy("async.shared", space="cta")
-            epi_bar.arrive_and_wait()
-            if warp_idx == WarpRole.EPILOGUE:
-                self.store_subtile(
-                    tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, real)], desc_c, c_pipeline
-                )
-            epi_bar.arrive_and_wait()
+        accumulator = TmemAccumulator(
+            tiled_copy_t2r, tTR_tAcc, tTR_rAcc, subtile_store.tiled_copy_r2s, bSG_gC, acc_buf,
+            subtiles, k_tiles, alpha, acc_pipeline, acc_state,
+            self.acc_release_subtile if self.overlapping_accum else None,
+        )
+        subtile_store.store_tile(accumulator, bSG_sC, subtiles, False, n_done * subtiles, 0,
+                                 desc_c, warp_idx == WarpRole.EPILOGUE)
+
+
+class TmemAccumulator(LoopInvariant):
+    """The epilogue's view of a unit's accumulator in TMEM (epilogue.SubtileStore): sub-tile
+    i is read by tcgen05.ld (`tiled_copy_t2r`, `tTR_tAcc` (..., sub-tile)) into `tTR_rAcc`
+    and multiplied by `alpha` (None: 1); an empty unit (k_tiles 0) stores zeros.
+
+    Overlapping accumulator buffers (`release_subtile` not None: block-scaled, tile_n = 256;
+    see acc_fragment there): buffer 0's sub-tiles go last to first, buffer 1's first to
+    last, so the columns the two buffers share come first; once those are in registers
+    (after sub-tile `release_subtile`) this thread releases the stage and the MMA warp may
+    start the next unit in the other buffer while the rest of this one is stored. The staging
+    buffer follows the issue order, so consecutive stores never share one."""
+
+    def __init__(self, tiled_copy_t2r, tTR_tAcc, tTR_rAcc, tiled_copy_r2s, bSG_gC, acc_buf,
+                 subtiles, k_tiles, alpha, acc_pipeline, acc_state, release_subtile):
+        self.tiled_copy_t2r, self.tTR_tAcc, self.tTR_rAcc = tiled_copy_t2r, tTR_tAcc, tTR_rAcc
+        self.tiled_copy_r2s, self.bSG_gC, self.acc_buf = tiled_copy_r2s, bSG_gC, acc_buf
+        self.subtiles, self.k_tiles, self.alpha = subtiles, k_tiles, alpha
+        self.acc_pipeline, self.acc_state = acc_pipeline, acc_state
+        self.release_subtile = release_subtile
+
+    @cute.jit
+    def load(self, sub):
+        overlapping = self.release_subtile is not None
+        real = sub
+        if cutlass.const_expr(overlapping):
+            if self.acc_buf == 0:
+                real = self.subtiles - 1 - sub
+        acc_vec = cute.zeros_like(self.tiled_copy_r2s.retile(self.tTR_rAcc))
+        if self.k_tiles > 0:
+            cute.copy(self.tiled_copy_t2r, self.tTR_tAcc[(None, None, None, real)], self.tTR_rAcc)
+            if cutlass.const_expr(overlapping):
+                if sub == self.release_subtile:
+                    # This thread's TMEM loads of the shared columns are complete.
+                    cute.arch.fence_view_async_tmem_load()
+                    self.acc_pipeline.consumer_release(self.acc_state)
+            acc_vec = self.tiled_copy_r2s.retile(self.tTR_rAcc).load()
+            if cutlass.const_expr(self.alpha is not None):
+                acc_vec = acc_vec * self.alpha
+        return acc_vec, real
+
+    @cute.jit
+    def target(self, position):
+        return self.bSG_gC[(None, position)]

@@ -24,7 +24,7 @@ Warp roles (384 threads, one persistent CTA per SM):
 Pipelines: `ab` (TMA -> WGMMA, transaction mbarriers), `unit` (unit ids, TMA warp -> consumers),
 the epilogue's TMA store groups; clusters add the leader's unit mailbox (ClusterMailbox).
 Epilogue: stmatrix into (64|128) x epi_tile_n sub-tiles, each TMA-stored (or reduce-added when
-accumulating) as soon as it is staged (GroupedWgradKernel.store_subtile, shared with SM100).
+accumulating) as soon as it is staged (epilogue.SubtileStore, shared with SM100).
 
 Clusters (BF16): a CTA pair, (1, 2) sharing A or (2, 1) B by TMA multicast; a unit is the
 cluster's tile, the leader takes units and hands them to its peers, and a CTA whose part lies
@@ -58,9 +58,10 @@ from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
-from .config import (DESC_A, DESC_B, DESC_C, STATUS_INT32, ProblemConfig, Workspace, ceil_div,
-                     dense_output_view, expert_output_view, gemm_views)
+from .config import (DESC_A, DESC_B, DESC_C, STATUS_INT32, LoopInvariant, ProblemConfig,
+                     Workspace, ceil_div, dense_output_view, expert_output_view, gemm_views)
 from .entry import GroupedWgradKernel
+from .epilogue import SubtileStore
 from .prep import acquire_descriptor, output_ptr_ok, tma_desc_ptr_for_copy, token_origin
 from .scheduler import (BalancedUnits, ClusterMailbox, DynamicUnits, decode_unit, publish_words,
                         take_words, unit_tile_coords)
@@ -782,17 +783,19 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, epi_mma)
         tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
         thr_copy_r2s = tiled_copy_r2s.get_slice(epi_tidx)
-        tRS_sD = thr_copy_r2s.partition_D(sC)
+        tRS_sC = thr_copy_r2s.partition_D(sC)
         tRS_rAcc = tiled_copy_r2s.retile(acc)
-        rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
-        tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
-        tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.c_dtype)
+        sub_shape = cute.shape(thr_copy_r2s.partition_S(sC))
+        tRS_rSub = cute.make_rmem_tensor(sub_shape[:3], self.acc_dtype)  # one sub-tile, FP32
+        tRS_rC = cute.make_rmem_tensor(sub_shape[:3], self.c_dtype)
         store_pipeline = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stage,
             producer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, WARP_GROUP_THREADS if per_group else self.num_mma_threads
             ),
         )
+        subtile_store = SubtileStore(self.c_dtype, tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c,
+                                     self.epi_stage, store_pipeline, epi_bar)
 
         if cutlass.const_expr(cfg.output_mode == "dense"):
             gC = cute.local_tile(mC_coord, (self.cta_m, self.cta_n, 1), (None, None, None))
@@ -888,21 +891,15 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 if cutlass.const_expr(cfg.output_mode == "dense"):
                     gC_tile = self.group_rows(gC[(None, None, 0, tile_m, tile_n, expert)],
                                               mma_group)
-                    self.epilogue(
-                        tma_atom_c, gC_tile, None, acc, tiled_copy_r2s, tRS_rAcc, tRS_rD,
-                        tRS_rD_out, tRS_sD, sC, store_pipeline, epi_bar, is_store_warp, n_done,
-                        epi_base,
-                    )
+                    self.store_tile(subtile_store, gC_tile, None, tRS_rAcc, tRS_rSub, sC,
+                                    is_store_warp, n_done, epi_base)
                 else:
                     gC_tile = self.group_rows(gC[(None, None, tile_m, tile_n)], mma_group)
                     if is_store_warp:
                         cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_C))
                     desc_c = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_C))
-                    self.epilogue(
-                        tma_atom_c, gC_tile, desc_c, acc, tiled_copy_r2s, tRS_rAcc, tRS_rD,
-                        tRS_rD_out, tRS_sD, sC, store_pipeline, epi_bar, is_store_warp, n_done,
-                        epi_base,
-                    )
+                    self.store_tile(subtile_store, gC_tile, desc_c, tRS_rAcc, tRS_rSub, sC,
+                                    is_store_warp, n_done, epi_base)
                 n_done += 1
             if cutlass.const_expr(epi_ordered):
                 # The peer group reuses the same staging buffers: let our stores drain first.
@@ -967,34 +964,40 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         return ab_release
 
     @cute.jit
-    def epilogue(
-        self, tma_atom_c, gC_tile, desc_c, acc, tiled_copy_r2s, tRS_rAcc, tRS_rD, tRS_rD_out,
-        tRS_sD, sC, store_pipeline, epi_bar, is_store_warp, n_done, epi_base,
-    ):
-        """Store acc through the staging buffers epi_base .. epi_base + epi_stage - 1 with the
-        store atom ``tma_atom_c``."""
+    def store_tile(self, subtile_store, gC_tile, desc_c, tRS_rAcc, tRS_rSub, sC, is_store_warp,
+                   n_done, epi_base):
+        """Store the accumulator (`tRS_rAcc`, registers) to `gC_tile` through the staging
+        buffers epi_base .. epi_base + epi_stage - 1 (epilogue.SubtileStore)."""
         gC_epi = cute.zipped_divide(gC_tile, self.epi_tile)
-        bSG_sD, bSG_gD = cpasync.tma_partition(
-            tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+        bSG_sC, bSG_gC = cpasync.tma_partition(
+            subtile_store.tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
         )
-        epi_tiles = cute.size(gC_epi, mode=[1])
+        subtiles = cute.size(gC_epi, mode=[1])
         epi_shape = gC_epi.shape[1]
         epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-        size_rD = cute.size(tRS_rD)
-        first_buffer = n_done * epi_tiles
-        for epi_idx in cutlass.range_constexpr(epi_tiles):
-            for v in cutlass.range_constexpr(size_rD):
-                tRS_rD[v] = tRS_rAcc[epi_idx * size_rD + v]
-            tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
-            buf = epi_base + (first_buffer + epi_idx) % self.epi_stage
-            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-            # stmatrix writes go through the generic proxy; TMA reads through the async one.
-            cute.arch.fence_proxy("async.shared", space="cta")
-            epi_bar.arrive_and_wait()
-            if is_store_warp:
-                gcoord = epi_layout.get_hier_coord(epi_idx)
-                self.store_subtile(
-                    tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gcoord)], desc_c,
-                    store_pipeline,
-                )
-            epi_bar.arrive_and_wait()
+        subtile_store.store_tile(
+            RegisterAccumulator(tRS_rAcc, tRS_rSub, bSG_gC, epi_layout), bSG_sC, subtiles, True,
+            n_done * subtiles, epi_base, desc_c, is_store_warp,
+        )
+
+
+class RegisterAccumulator(LoopInvariant):
+    """The epilogue's view of a WGMMA accumulator (epilogue.SubtileStore): registers
+    `tRS_rAcc` (retiled for the register -> shared copy), sub-tile i the i-th run of
+    size(tRS_rSub) values, copied into `tRS_rSub`; sub-tile i of the output tile is
+    `bSG_gC` at `epi_layout`'s i-th coordinate (row-major over the sub-tiles)."""
+
+    def __init__(self, tRS_rAcc, tRS_rSub, bSG_gC, epi_layout):
+        self.tRS_rAcc, self.tRS_rSub, self.bSG_gC, self.epi_layout = (
+            tRS_rAcc, tRS_rSub, bSG_gC, epi_layout)
+
+    @cute.jit
+    def load(self, sub: cutlass.Constexpr):
+        size = cute.size(self.tRS_rSub)
+        for v in cutlass.range_constexpr(size):
+            self.tRS_rSub[v] = self.tRS_rAcc[sub * size + v]
+        return self.tRS_rSub.load(), sub
+
+    @cute.jit
+    def target(self, position: cutlass.Constexpr):
+        return self.bSG_gC[(None, self.epi_layout.get_hier_coord(position))]

@@ -392,84 +392,12 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         block_in_cluster_coord_vmnk = cluster_layout_vmnk.get_flat_coord(cta_rank_in_cluster)
         cta_m_in_cluster = cta_rank_in_cluster % cfg.cluster_m
 
-        @cute.struct
-        class SharedStorage:
-            ab_full_mbar_ptr: cute.struct.MemRange[Int64, self.ab_stage * 2]
-            acc_full_mbar_ptr: cute.struct.MemRange[Int64, self.acc_stage * 2]
-            clc_mbar_ptr: cute.struct.MemRange[Int64, 2]
-            clc_response: cute.struct.Align[cute.struct.MemRange[Int32, 4], CLC_RESPONSE_BYTES]
-            unit_mbar_ptr: cute.struct.MemRange[Int64, UNIT_STAGES * 2]
-            unit_slots: cute.struct.MemRange[Int32, UNIT_STAGES * self.unit_word_count]
-            tmem_dealloc_mbar: Int64
-            tmem_holding_buf: Int32
-
         smem = SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+        storage = smem.allocate(self.storage_type())
 
-        ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
-            barrier_storage=storage.ab_full_mbar_ptr.data_ptr(),
-            num_stages=self.ab_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.num_mcast_ctas_a + self.num_mcast_ctas_b - 1
-            ),
-            tx_count=self.tma_bytes,
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
-        ).make_participants()
-        # The acc "empty" barrier counts threads: every epilogue thread of the pair releases
-        # the stage (after its own tcgen05.wait::ld), 128 of them remotely from the peer CTA
-        # in 2-CTA. Kept deliberately: cuDNN frontend's wgrad kernel and torch_grouped_mm,
-        # the grouped references, do the same; it is one release per unit (not per K block);
-        # the warp-counted form (the dense example's: 4 warps x 2 CTAs, elect_one after the
-        # warp-synchronous tcgen05.wait::ld) saves ~250 DSMEM arrives per unit, which cannot
-        # be measured without an SM100 GPU, and would change the release protocol of a
-        # kernel that has never run. docs/BLACKWELL.md lists it to measure on hardware.
-        acc_pipeline = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=storage.acc_full_mbar_ptr.data_ptr(),
-            num_stages=self.acc_stage,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.num_epi_threads * (2 if use_2cta_instrs else 1)
-            ),
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
-        )
         cluster_size = cute.size(cluster_layout_vmnk)
-        clc_pipeline = pipeline.PipelineClcFetchAsync.create(
-            barrier_storage=storage.clc_mbar_ptr.data_ptr(),
-            num_stages=1,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # The scheduler warp of every CTA of the cluster (the other roles take units from
-            # their CTA's scheduler through the unit ring).
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * cluster_size),
-            tx_count=CLC_RESPONSE_BYTES,
-            cta_layout_vmnk=cluster_layout_vmnk,
-            defer_sync=True,
-        )
-        # Scheduler warp -> TMA, MMA and epilogue warps of this CTA: each unit decoded once.
-        unit_pipeline = pipeline.PipelineAsync.create(
-            barrier_storage=storage.unit_mbar_ptr.data_ptr(),
-            num_stages=UNIT_STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-            consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, 32 * (2 + NUM_EPI_WARPS)
-            ),
-            defer_sync=True,
-        )
-        unit_slots = cute.make_tensor(
-            storage.unit_slots.data_ptr(),
-            cute.make_layout((self.unit_word_count, UNIT_STAGES)),
-        )
-        tmem = TmemAllocator(
-            storage.tmem_holding_buf.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(
-                barrier_id=int(Barrier.TMEM_ALLOC), num_threads=self.num_epi_threads + 32
-            ),
-            allocator_warp_id=int(WarpRole.EPILOGUE),
-            is_two_cta=use_2cta_instrs,
-            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
-        )
+        (ab_producer, ab_consumer, acc_pipeline, clc_pipeline, unit_pipeline, unit_slots,
+         tmem) = self.make_pipelines(storage, cluster_layout_vmnk, use_2cta_instrs)
         pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
 
         sA = smem.allocate_tensor(
@@ -530,6 +458,95 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
                 unit_pipeline, unit_slots, ws, wgrad_ptrs, tidx, warp_idx,
                 epi_tile, use_2cta_instrs, cta_m_in_cluster, atom_thr, scales,
             )
+
+    def storage_type(self):
+        """The kernel's shared-memory struct of barriers and slots (the tiles are allocated
+        after it)."""
+
+        @cute.struct
+        class SharedStorage:
+            ab_full_mbar_ptr: cute.struct.MemRange[Int64, self.ab_stage * 2]
+            acc_full_mbar_ptr: cute.struct.MemRange[Int64, self.acc_stage * 2]
+            clc_mbar_ptr: cute.struct.MemRange[Int64, 2]
+            clc_response: cute.struct.Align[cute.struct.MemRange[Int32, 4], CLC_RESPONSE_BYTES]
+            unit_mbar_ptr: cute.struct.MemRange[Int64, UNIT_STAGES * 2]
+            unit_slots: cute.struct.MemRange[Int32, UNIT_STAGES * self.unit_word_count]
+            tmem_dealloc_mbar: Int64
+            tmem_holding_buf: Int32
+
+        return SharedStorage
+
+    @cute.jit
+    def make_pipelines(self, storage, cluster_layout_vmnk, use_2cta_instrs):
+        """The CTA's pipelines in `storage`: ab (TMA -> MMA), acc (MMA -> epilogue, TMEM
+        stages), clc (CLC responses -> every CTA's scheduler warp), the unit ring and its
+        slots, and the TMEM allocator."""
+        cluster_size = cute.size(cluster_layout_vmnk)
+        ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ab_full_mbar_ptr.data_ptr(),
+            num_stages=self.ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.num_mcast_ctas_a + self.num_mcast_ctas_b - 1
+            ),
+            tx_count=self.tma_bytes,
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        ).make_participants()
+        # The acc "empty" barrier counts threads: every epilogue thread of the pair releases
+        # the stage (after its own tcgen05.wait::ld), 128 of them remotely from the peer CTA
+        # in 2-CTA. Kept deliberately: cuDNN frontend's wgrad kernel and torch_grouped_mm,
+        # the grouped references, do the same; it is one release per unit (not per K block);
+        # the warp-counted form (the dense example's: 4 warps x 2 CTAs, elect_one after the
+        # warp-synchronous tcgen05.wait::ld) saves ~250 DSMEM arrives per unit, which cannot
+        # be measured without an SM100 GPU, and would change the release protocol of a
+        # kernel that has never run. docs/BLACKWELL.md lists it to measure on hardware.
+        acc_pipeline = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_full_mbar_ptr.data_ptr(),
+            num_stages=self.acc_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.num_epi_threads * (2 if use_2cta_instrs else 1)
+            ),
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        clc_pipeline = pipeline.PipelineClcFetchAsync.create(
+            barrier_storage=storage.clc_mbar_ptr.data_ptr(),
+            num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # The scheduler warp of every CTA of the cluster (the other roles take units from
+            # their CTA's scheduler through the unit ring).
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * cluster_size),
+            tx_count=CLC_RESPONSE_BYTES,
+            cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
+        )
+        # Scheduler warp -> TMA, MMA and epilogue warps of this CTA: each unit decoded once.
+        unit_pipeline = pipeline.PipelineAsync.create(
+            barrier_storage=storage.unit_mbar_ptr.data_ptr(),
+            num_stages=UNIT_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, 32 * (2 + NUM_EPI_WARPS)
+            ),
+            defer_sync=True,
+        )
+        unit_slots = cute.make_tensor(
+            storage.unit_slots.data_ptr(),
+            cute.make_layout((self.unit_word_count, UNIT_STAGES)),
+        )
+        tmem = TmemAllocator(
+            storage.tmem_holding_buf.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(
+                barrier_id=int(Barrier.TMEM_ALLOC), num_threads=self.num_epi_threads + 32
+            ),
+            allocator_warp_id=int(WarpRole.EPILOGUE),
+            is_two_cta=use_2cta_instrs,
+            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
+        )
+        return (ab_producer, ab_consumer, acc_pipeline, clc_pipeline, unit_pipeline, unit_slots,
+                tmem)
 
     # ------------------------------------------------------------------------------------
     # warp roles
@@ -766,32 +783,9 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         acc_state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Consumer, self.acc_stage
         )
-        store_pipeline = pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stage,
-            producer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.num_epi_threads
-            ),
-        )
-        epi_bar = pipeline.NamedBarrier(barrier_id=int(Barrier.EPI), num_threads=self.num_epi_threads)
-        tCtAcc_transformed = transform_partitioned_tensor_layout(tCtAcc_base)
-        gC_mnl = cute.local_tile(
-            mC_coord, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
-        )
-        tCgC_transformed = transform_partitioned_tensor_layout(thr_mma.partition_C(gC_mnl))
-        tiled_copy_t2r, tTR_tAcc_base, tTR_rAcc = epilogue_tmem_copy_and_partition(
-            self, tidx, tCtAcc_transformed, tCgC_transformed, epi_tile, use_2cta_instrs
-        )
-        tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
-        tiled_copy_r2s, tRS_rC, tRS_sC = epilogue_smem_copy_and_partition(
-            self, tiled_copy_t2r, tTR_rC, tidx, sC
-        )
-        tCgC_epi = cute.flat_divide(tCgC_transformed, epi_tile)
-        bSG_sC, bSG_gC_all = cpasync.tma_partition(
-            tma_atom_c, 0, cute.make_layout(1),
-            cute.group_modes(sC, 0, 2), cute.group_modes(tCgC_epi, 0, 2),
-        )
-        subtile_store = SubtileStore(self.c_dtype, tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c,
-                                     self.epi_stage, store_pipeline, epi_bar)
+        (subtile_store, tiled_copy_t2r, tTR_tAcc_base, tTR_rAcc, bSG_sC,
+         bSG_gC_all) = self.epilogue_setup(tma_atom_c, mC_coord, sC, thr_mma, tCtAcc_base, tidx,
+                                           epi_tile, use_2cta_instrs)
         n_done = Int32(0)
         unit_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, UNIT_STAGES)
         expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
@@ -799,15 +793,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         )
         while expert >= 0:
             mma_m = (unit_m * cfg.cluster_m + cta_m_in_cluster) // atom_thr
-            store = True
-            if cutlass.const_expr(cfg.accumulate):
-                store = k_tiles > 0  # adding zeros changes nothing
-            if cutlass.const_expr(cfg.output_mode == "discrete"):
-                store = store and output_ptr_ok(wgrad_ptrs, expert)
-            if cutlass.const_expr(self.mmas_per_cluster_m > 1):
-                # Rows past the output: with a single MMA tile along M that tile mode has one
-                # element and the index would alias the first tile (stored, or added, twice).
-                store = store and mma_m < self.mma_tiles_m
+            store = self.unit_stored(wgrad_ptrs, expert, mma_m, k_tiles)
             # alpha_e does not depend on the accumulator: its loads go out before the wait.
             alpha = None
             if cutlass.const_expr(scales is not None):
@@ -850,9 +836,59 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
                 unit_pipeline, unit_state, unit_slots
             )
-        store_pipeline.producer_tail()
+        subtile_store.store_pipeline.producer_tail()
         tmem.relinquish_alloc_permit()
         tmem.free(tmem_ptr)
+
+    @cute.jit
+    def epilogue_setup(self, tma_atom_c, mC_coord, sC, thr_mma, tCtAcc_base, tidx, epi_tile,
+                       use_2cta_instrs: cutlass.Constexpr):
+        """The epilogue warps' copies (the DSL's SM100 helpers): TMEM -> registers
+        (tcgen05.ld: the tiled copy, its TMEM partition (..., buffer) and FP32 registers),
+        registers -> shared memory (in the SubtileStore) and the TMA partitions of the
+        staging buffers and of the output ((..., mma m, n, expert))."""
+        store_pipeline = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stage,
+            producer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.num_epi_threads
+            ),
+        )
+        epi_bar = pipeline.NamedBarrier(barrier_id=int(Barrier.EPI), num_threads=self.num_epi_threads)
+        tCtAcc_transformed = transform_partitioned_tensor_layout(tCtAcc_base)
+        gC_mnl = cute.local_tile(
+            mC_coord, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
+        )
+        tCgC_transformed = transform_partitioned_tensor_layout(thr_mma.partition_C(gC_mnl))
+        tiled_copy_t2r, tTR_tAcc_base, tTR_rAcc = epilogue_tmem_copy_and_partition(
+            self, tidx, tCtAcc_transformed, tCgC_transformed, epi_tile, use_2cta_instrs
+        )
+        tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+        tiled_copy_r2s, tRS_rC, tRS_sC = epilogue_smem_copy_and_partition(
+            self, tiled_copy_t2r, tTR_rC, tidx, sC
+        )
+        tCgC_epi = cute.flat_divide(tCgC_transformed, epi_tile)
+        bSG_sC, bSG_gC_all = cpasync.tma_partition(
+            tma_atom_c, 0, cute.make_layout(1),
+            cute.group_modes(sC, 0, 2), cute.group_modes(tCgC_epi, 0, 2),
+        )
+        subtile_store = SubtileStore(self.c_dtype, tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c,
+                                     self.epi_stage, store_pipeline, epi_bar)
+        return subtile_store, tiled_copy_t2r, tTR_tAcc_base, tTR_rAcc, bSG_sC, bSG_gC_all
+
+    @cute.jit
+    def unit_stored(self, wgrad_ptrs, expert, mma_m, k_tiles):
+        """Whether this CTA stores its MMA tile `mma_m` of the unit."""
+        cfg = self.cfg
+        store = True
+        if cutlass.const_expr(cfg.accumulate):
+            store = k_tiles > 0  # adding zeros changes nothing
+        if cutlass.const_expr(cfg.output_mode == "discrete"):
+            store = store and output_ptr_ok(wgrad_ptrs, expert)
+        if cutlass.const_expr(self.mmas_per_cluster_m > 1):
+            # Rows past the output: with a single MMA tile along M that tile mode has one
+            # element and the index would alias the first tile (stored, or added, twice).
+            store = store and mma_m < self.mma_tiles_m
+        return store
 
     @cute.jit
     def store_tile(

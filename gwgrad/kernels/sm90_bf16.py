@@ -741,25 +741,13 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         ab_pipeline, unit_pipeline, unit_slots, ws, tidx, warp_idx, mma_group,
         scales, smem_scales,
     ):
+        """Consumer warp group `mma_group` (0 or 1): per unit it takes, the mainloop into its
+        registers, then the store of the tile (store_unit). cooperative: both groups on each
+        unit; pingpong: every other unit each, the tensor cores (MMA_ORDER) and a shared set
+        of staging buffers (EPI_ORDER) passed from group to group; coop_split: the groups'
+        epilogues take turns (EPI_ORDER)."""
         cfg = self.cfg
-        # Thread index inside the tiled MMA: both groups (cooperative) or one (pingpong).
-        mma_tidx = tidx - WARP_GROUP_THREADS
-        epi_bar = pipeline.NamedBarrier(
-            barrier_id=int(Barrier.EPI), num_threads=self.num_mma_threads
-        )
-        store_warp = int(WarpRole.MMA)  # the first consumer warp issues the TMA stores
-        # Each consumer group runs an epilogue of its own: pingpong, or cooperative with a
-        # set of staging buffers per group (coop_split: each stores its 64 rows).
-        per_group = self.pingpong or self.coop_split
-        if cutlass.const_expr(self.pingpong):
-            mma_tidx = tidx % WARP_GROUP_THREADS
-        epi_tidx = mma_tidx
-        if cutlass.const_expr(per_group):
-            epi_tidx = tidx % WARP_GROUP_THREADS
-            epi_bar = pipeline.NamedBarrier(
-                barrier_id=int(Barrier.EPI) + mma_group, num_threads=WARP_GROUP_THREADS
-            )
-            store_warp = int(WarpRole.MMA) + 4 * mma_group
+        mma_tidx, epi_tidx, epi_bar, store_warp = self.consumer_threads(tidx, mma_group)
         thr_mma = tiled_mma.get_slice(mma_tidx)
         tile_mn = cute.slice_(self.tile_shape_mnk, (None, None, 0))
 
@@ -769,8 +757,110 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         tCrB = tiled_mma.make_fragment_B(tCsB)
         acc_shape = thr_mma.partition_shape_C(tile_mn)
         acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+        subtile_store, tRS_rAcc, tRS_rSub = self.epilogue_setup(
+            tiled_mma, tma_atom_c, sC, acc, epi_tidx, epi_bar
+        )
+        store_pipeline = subtile_store.store_pipeline
 
-        # Epilogue partitions (register -> shared memory with stmatrix).
+        if cutlass.const_expr(cfg.output_mode == "dense"):
+            gC = cute.local_tile(mC_coord, (self.cta_m, self.cta_n, 1), (None, None, None))
+        else:
+            gC = cute.local_tile(mC_coord, tile_mn, (None, None))
+
+        ab_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        ab_release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
+        unit_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, UNIT_STAGES)
+        orders = self.group_orders(mma_group)
+        mma_order_self, mma_order_peer, epi_order_self, epi_order_peer = orders
+        is_store_warp = warp_idx == store_warp
+        # Epilogue staging: one set both groups take in turn (EPI_ORDER, drained at each
+        # hand-off), or a set per group (epi_split: no hand-off; the epilogues overlap).
+        epi_base = 0
+        if cutlass.const_expr(self.epi_split):
+            epi_base = mma_group * self.epi_stage
+        epi_ordered = self.pingpong and not self.epi_split
+        # coop_split: the groups' epilogues take turns (EPI_ORDER, no drain: each has its own
+        # buffers). At the first unit group 1 waits out group 0's epilogue, so group 0 starts
+        # the next unit's mainloop that much ahead; from then on each group's epilogue runs
+        # while the other group finishes (or starts) a mainloop: the tensor cores do not wait
+        # for the epilogue, as with pingpong, at the cooperative tile's operand traffic. The
+        # A/B stages a group is ahead by stay held until the other group releases them.
+        epi_turns = epi_ordered or self.coop_split
+
+        ab_read, ab_release, unit, expert, k_tiles, unit_state = self.first_group_unit(
+            mma_group, orders, ab_read, ab_release, unit_pipeline, unit_state, unit_slots
+        )
+
+        coord, _, _ = self.cluster_coord()
+        n_done = Int32(0)
+        while expert >= 0:
+            tile_m, tile_n = self.cta_tile(
+                coord, *unit_tile_coords(cfg, unit % cfg.tiles_per_expert)
+            )
+            if cutlass.const_expr(self.pingpong):
+                mma_order_self.arrive_and_wait()
+            ab_read, ab_release = self.unit_mainloop(
+                tiled_mma, thr_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release, k_tiles,
+                smem_scales, tile_m, tile_n, mma_order_peer, scales,
+            )
+            if cutlass.const_expr(scales is not None):
+                self.scale_output(acc, thr_mma, scales, ws, expert, tile_m, tile_n, k_tiles)
+
+            store = self.unit_stored(wgrad_ptrs, expert, tile_m, tile_n, k_tiles)
+            if cutlass.const_expr(epi_turns):
+                epi_order_self.arrive_and_wait()
+            n_done = self.store_unit(
+                subtile_store, store, gC, ws, expert, tile_m, tile_n, mma_group, tRS_rAcc,
+                tRS_rSub, sC, is_store_warp, n_done, epi_base,
+            )
+            if cutlass.const_expr(epi_ordered):
+                # The peer group reuses the same staging buffers: let our stores drain first.
+                if is_store_warp:
+                    store_pipeline.producer_tail()
+            if cutlass.const_expr(epi_turns):
+                epi_order_peer.arrive()
+
+            unit, expert, k_tiles, unit_state = self.take_unit(
+                unit_pipeline, unit_state, unit_slots
+            )
+            if cutlass.const_expr(self.pingpong):
+                # Skip the peer group's unit.
+                ab_read, ab_release, unit, expert, k_tiles, unit_state = self.skip_peer_unit(
+                    ab_read, ab_release, unit, expert, k_tiles, unit_pipeline, unit_state,
+                    unit_slots,
+                )
+
+        if is_store_warp:
+            store_pipeline.producer_tail()
+
+    @cute.jit
+    def consumer_threads(self, tidx, mma_group):
+        """A consumer thread's (index in the tiled MMA, index in the epilogue's copy, the
+        epilogue's barrier, the warp that issues its TMA stores). Each consumer group runs an
+        epilogue of its own with pingpong, or cooperative with a set of staging buffers per
+        group (coop_split: each stores its 64 rows); else both groups share one."""
+        # Thread index inside the tiled MMA: both groups (cooperative) or one (pingpong).
+        mma_tidx = tidx - WARP_GROUP_THREADS
+        epi_bar = pipeline.NamedBarrier(
+            barrier_id=int(Barrier.EPI), num_threads=self.num_mma_threads
+        )
+        store_warp = int(WarpRole.MMA)  # the first consumer warp issues the TMA stores
+        if cutlass.const_expr(self.pingpong):
+            mma_tidx = tidx % WARP_GROUP_THREADS
+        epi_tidx = mma_tidx
+        if cutlass.const_expr(self.pingpong or self.coop_split):
+            epi_tidx = tidx % WARP_GROUP_THREADS
+            epi_bar = pipeline.NamedBarrier(
+                barrier_id=int(Barrier.EPI) + mma_group, num_threads=WARP_GROUP_THREADS
+            )
+            store_warp = int(WarpRole.MMA) + 4 * mma_group
+        return mma_tidx, epi_tidx, epi_bar, store_warp
+
+    @cute.jit
+    def epilogue_setup(self, tiled_mma, tma_atom_c, sC, acc, epi_tidx, epi_bar):
+        """The consumer's epilogue (register -> shared memory with stmatrix): (the
+        SubtileStore, the accumulator retiled for its copy, one sub-tile's FP32 registers)."""
+        per_group = self.pingpong or self.coop_split
         copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
             self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
         )
@@ -796,131 +886,116 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         )
         subtile_store = SubtileStore(self.c_dtype, tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c,
                                      self.epi_stage, store_pipeline, epi_bar)
+        return subtile_store, tRS_rAcc, tRS_rSub
 
-        if cutlass.const_expr(cfg.output_mode == "dense"):
-            gC = cute.local_tile(mC_coord, (self.cta_m, self.cta_n, 1), (None, None, None))
-        else:
-            gC = cute.local_tile(mC_coord, tile_mn, (None, None))
-
-        ab_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-        ab_release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-        unit_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, UNIT_STAGES)
-        # Pingpong hand-offs: both consumer groups meet at each (one arrives, one waits).
+    def group_orders(self, mma_group):
+        """Pingpong and coop_split hand-offs between the consumer groups, (MMA_ORDER, its
+        peer's, EPI_ORDER, its peer's) of group `mma_group`: both groups meet at each (one
+        arrives, one waits)."""
         both = self.num_mma_threads
-        mma_order_self = pipeline.NamedBarrier(int(Barrier.MMA_ORDER) + mma_group, both)
-        mma_order_peer = pipeline.NamedBarrier(int(Barrier.MMA_ORDER) + 1 - mma_group, both)
-        epi_order_self = pipeline.NamedBarrier(int(Barrier.EPI_ORDER) + mma_group, both)
-        epi_order_peer = pipeline.NamedBarrier(int(Barrier.EPI_ORDER) + 1 - mma_group, both)
-        is_store_warp = warp_idx == store_warp
-        # Epilogue staging: one set both groups take in turn (EPI_ORDER, drained at each
-        # hand-off), or a set per group (epi_split: no hand-off; the epilogues overlap).
-        epi_base = 0
-        if cutlass.const_expr(self.epi_split):
-            epi_base = mma_group * self.epi_stage
-        epi_ordered = self.pingpong and not self.epi_split
-        # coop_split: the groups' epilogues take turns (EPI_ORDER, no drain: each has its own
-        # buffers). At the first unit group 1 waits out group 0's epilogue, so group 0 starts
-        # the next unit's mainloop that much ahead; from then on each group's epilogue runs
-        # while the other group finishes (or starts) a mainloop: the tensor cores do not wait
-        # for the epilogue, as with pingpong, at the cooperative tile's operand traffic. The
-        # A/B stages a group is ahead by stay held until the other group releases them.
-        epi_turns = epi_ordered or self.coop_split
+        return (pipeline.NamedBarrier(int(Barrier.MMA_ORDER) + mma_group, both),
+                pipeline.NamedBarrier(int(Barrier.MMA_ORDER) + 1 - mma_group, both),
+                pipeline.NamedBarrier(int(Barrier.EPI_ORDER) + mma_group, both),
+                pipeline.NamedBarrier(int(Barrier.EPI_ORDER) + 1 - mma_group, both))
 
+    @cute.jit
+    def first_group_unit(self, mma_group, orders, ab_read, ab_release, unit_pipeline,
+                         unit_state, unit_slots):
+        """A consumer group's first unit and the start signals of the hand-offs: coop_split,
+        group 0 stores first; pingpong, group 0 takes the first unit and the first turns,
+        group 1 the second unit (it skips the first one's stages)."""
+        mma_order_self, _, epi_order_self, _ = orders
         unit, expert, k_tiles, unit_state = self.take_unit(
             unit_pipeline, unit_state, unit_slots
         )
         if cutlass.const_expr(self.coop_split):
             if mma_group == 0:
-                epi_order_self.arrive()  # group 0 stores first
+                epi_order_self.arrive()
         if cutlass.const_expr(self.pingpong):
             if mma_group == 0:
-                # Group 0 goes first: give it the start signal for the ordered sections.
                 mma_order_self.arrive()
-                if cutlass.const_expr(epi_ordered):
+                if cutlass.const_expr(not self.epi_split):
                     epi_order_self.arrive()
             else:
-                # Group 1 starts with the second unit: skip the first one's stages.
-                if expert >= 0:
-                    ab_read, ab_release = self.skip(ab_read, ab_release, k_tiles)
-                    unit, expert, k_tiles, unit_state = self.take_unit(
-                        unit_pipeline, unit_state, unit_slots
-                    )
-
-        coord, _, _ = self.cluster_coord()
-        n_done = Int32(0)
-        while expert >= 0:
-            tile_m, tile_n = self.cta_tile(
-                coord, *unit_tile_coords(cfg, unit % cfg.tiles_per_expert)
-            )
-            if cutlass.const_expr(self.pingpong):
-                mma_order_self.arrive_and_wait()
-            if cutlass.const_expr(scales is None):
-                ab_read, ab_release = self.mainloop(
-                    tiled_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release, k_tiles
+                ab_read, ab_release, unit, expert, k_tiles, unit_state = self.skip_peer_unit(
+                    ab_read, ab_release, unit, expert, k_tiles, unit_pipeline, unit_state,
+                    unit_slots,
                 )
-                # Pingpong: the peer group may issue its first WGMMAs while this unit's last
-                # batch is still in the tensor pipe (as CUTLASS's pingpong kernel does), so
-                # the tensor cores do not drain at each hand-off; then wait for that batch.
-                if cutlass.const_expr(self.pingpong):
-                    mma_order_peer.arrive()
-                ab_release = self.mainloop_tail(ab_pipeline, ab_release, k_tiles)
-            else:
-                ab_read, ab_release = self.scaled_mainloop(
-                    tiled_mma, thr_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release,
-                    k_tiles, smem_scales, tile_m, tile_n,
-                )
-                if cutlass.const_expr(self.pingpong):
-                    mma_order_peer.arrive()
-            if cutlass.const_expr(scales is not None):
-                self.scale_output(acc, thr_mma, scales, ws, expert, tile_m, tile_n, k_tiles)
+        return ab_read, ab_release, unit, expert, k_tiles, unit_state
 
-            store = True
-            if cutlass.const_expr(cfg.accumulate):
-                store = k_tiles > 0  # adding zeros changes nothing
-            if cutlass.const_expr(self.cluster_size > 1):
-                # A CTA whose part of the cluster's unit lies past the output stores nothing:
-                # where the output has a single CTA tile along the pair, that tile mode has
-                # one element and its coordinate does not move past the output (it aliases
-                # the first tile: stored twice, or added twice when accumulating).
-                store = store and tile_m < self.cta_tiles[0] and tile_n < self.cta_tiles[1]
-            if cutlass.const_expr(cfg.output_mode == "discrete"):
-                store = store and output_ptr_ok(wgrad_ptrs, expert)
-            if cutlass.const_expr(epi_turns):
-                epi_order_self.arrive_and_wait()
-            if store:
-                if cutlass.const_expr(cfg.output_mode == "dense"):
-                    gC_tile = self.group_rows(gC[(None, None, 0, tile_m, tile_n, expert)],
-                                              mma_group)
-                    self.store_tile(subtile_store, gC_tile, None, tRS_rAcc, tRS_rSub, sC,
-                                    is_store_warp, n_done, epi_base)
-                else:
-                    gC_tile = self.group_rows(gC[(None, None, tile_m, tile_n)], mma_group)
-                    if is_store_warp:
-                        cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_C))
-                    desc_c = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_C))
-                    self.store_tile(subtile_store, gC_tile, desc_c, tRS_rAcc, tRS_rSub, sC,
-                                    is_store_warp, n_done, epi_base)
-                n_done += 1
-            if cutlass.const_expr(epi_ordered):
-                # The peer group reuses the same staging buffers: let our stores drain first.
-                if is_store_warp:
-                    store_pipeline.producer_tail()
-            if cutlass.const_expr(epi_turns):
-                epi_order_peer.arrive()
-
+    @cute.jit
+    def skip_peer_unit(self, ab_read, ab_release, unit, expert, k_tiles, unit_pipeline,
+                       unit_state, unit_slots):
+        """Pingpong: unless the unit just taken ends the work (expert < 0), step over its K
+        blocks (the peer group's unit) and take the next one."""
+        if expert >= 0:
+            ab_read, ab_release = self.skip(ab_read, ab_release, k_tiles)
             unit, expert, k_tiles, unit_state = self.take_unit(
                 unit_pipeline, unit_state, unit_slots
             )
-            if cutlass.const_expr(self.pingpong):
-                if expert >= 0:
-                    # Skip the peer group's unit.
-                    ab_read, ab_release = self.skip(ab_read, ab_release, k_tiles)
-                    unit, expert, k_tiles, unit_state = self.take_unit(
-                        unit_pipeline, unit_state, unit_slots
-                    )
+        return ab_read, ab_release, unit, expert, k_tiles, unit_state
 
-        if is_store_warp:
-            store_pipeline.producer_tail()
+    @cute.jit
+    def unit_mainloop(self, tiled_mma, thr_mma, acc, tCrA, tCrB, ab_pipeline, ab_read,
+                      ab_release, k_tiles, smem_scales, tile_m, tile_n, mma_order_peer, scales):
+        """The unit's accumulator (BF16: mainloop; FP8: the scaled kernel's scaled_mainloop);
+        pingpong: the tensor cores passed to the peer group once the last batch is issued."""
+        if cutlass.const_expr(scales is None):
+            ab_read, ab_release = self.mainloop(
+                tiled_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release, k_tiles
+            )
+            # Pingpong: the peer group may issue its first WGMMAs while this unit's last
+            # batch is still in the tensor pipe (as CUTLASS's pingpong kernel does), so
+            # the tensor cores do not drain at each hand-off; then wait for that batch.
+            if cutlass.const_expr(self.pingpong):
+                mma_order_peer.arrive()
+            ab_release = self.mainloop_tail(ab_pipeline, ab_release, k_tiles)
+        else:
+            ab_read, ab_release = self.scaled_mainloop(
+                tiled_mma, thr_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release,
+                k_tiles, smem_scales, tile_m, tile_n,
+            )
+            if cutlass.const_expr(self.pingpong):
+                mma_order_peer.arrive()
+        return ab_read, ab_release
+
+    @cute.jit
+    def unit_stored(self, wgrad_ptrs, expert, tile_m, tile_n, k_tiles):
+        """Whether this CTA stores its tile (tile_m, tile_n) of the unit."""
+        cfg = self.cfg
+        store = True
+        if cutlass.const_expr(cfg.accumulate):
+            store = k_tiles > 0  # adding zeros changes nothing
+        if cutlass.const_expr(self.cluster_size > 1):
+            # A CTA whose part of the cluster's unit lies past the output stores nothing:
+            # where the output has a single CTA tile along the pair, that tile mode has
+            # one element and its coordinate does not move past the output (it aliases
+            # the first tile: stored twice, or added twice when accumulating).
+            store = store and tile_m < self.cta_tiles[0] and tile_n < self.cta_tiles[1]
+        if cutlass.const_expr(cfg.output_mode == "discrete"):
+            store = store and output_ptr_ok(wgrad_ptrs, expert)
+        return store
+
+    @cute.jit
+    def store_unit(self, subtile_store, store, gC, ws, expert, tile_m, tile_n, mma_group,
+                   tRS_rAcc, tRS_rSub, sC, is_store_warp, n_done, epi_base):
+        """When `store`: this group's part of the tile to the dense output or the expert's
+        (its descriptor acquired by the store warp). Returns the tiles stored so far."""
+        if store:
+            if cutlass.const_expr(self.cfg.output_mode == "dense"):
+                gC_tile = self.group_rows(gC[(None, None, 0, tile_m, tile_n, expert)],
+                                          mma_group)
+                self.store_tile(subtile_store, gC_tile, None, tRS_rAcc, tRS_rSub, sC,
+                                is_store_warp, n_done, epi_base)
+            else:
+                gC_tile = self.group_rows(gC[(None, None, tile_m, tile_n)], mma_group)
+                if is_store_warp:
+                    cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_C))
+                desc_c = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_C))
+                self.store_tile(subtile_store, gC_tile, desc_c, tRS_rAcc, tRS_rSub, sC,
+                                is_store_warp, n_done, epi_base)
+            n_done += 1
+        return n_done
 
     def group_rows(self, gC_tile, mma_group):
         """The part of a CTA's output tile that a consumer group's epilogue stores: all of

@@ -37,6 +37,10 @@ global memory), where the prep work records invalid offsets (kernels/prep.py, ch
         gwgrad/offsets.py for scales too small and invalid output addresses)
     [1] expert  [2] offsets[expert]  [3] prev(expert)  [4] tokens_sum  [5] count_multiple
     [6..7] reserved, 0
+
+Verified: tests/test_cudnn_api.py (test_workspace_size_bounds_every_kernel: ProblemConfig's
+workspace against gwgrad/plan.py's bound, every format family and mode), the kernels' GPU
+tests through every launch, tests/test_cudnn_api_gpu.py on an H200.
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ class ProblemConfig:
     epi_buffer_sets: int = 1
     # Every expert's token count must be a multiple of this (gwgrad.offsets.token_count_multiple,
     # the one rule): with a K-major operand TMA needs 16-byte aligned rows. Others fail the
-    # offsets check and are treated as empty (see module doc).
+    # offsets check and are treated as empty (kernels/prep.py, sanitizing).
     count_multiple: int = 1
     # Block-scaled inputs (gwgrad/scales.py): B's dtype when it differs from A's (FP8 mixes),
     # the scale recipe ("" for BF16), tokens per scale (sf_vec_size) and global scales.
@@ -113,7 +117,7 @@ class ProblemConfig:
     # checked against sf_vec by the kernel's can_implement rather than inferred from it.
     sf_dtype: str = ""
     # Kernel launches per call: 2, the prep kernel then the GEMM; 1, the GEMM does the prep
-    # work itself before a hand-off (GroupedWgradKernel.prep_in_kernel; SM90 BF16). The
+    # work itself before a hand-off (prep.PrepWork.prep_in_kernel; SM90 BF16). The
     # single launch needs the workspace's hand-off words zero before its first use.
     launches: int = 2
     # How the producer takes units (tiling.UNIT_SCHEDULES: 1 dynamic, 3 balanced; 3 in the

@@ -20,6 +20,12 @@ What differs by architecture is passed in (``store_tile``'s ``accumulator``):
 
 and whether the sub-tile loop is unrolled at compile time (SM90: a register fragment is only
 indexed by constants) or a loop (SM100: TMEM addresses may be computed).
+
+Verified on an H200 through the SM90 kernels' GPU tests (every output dtype, dense and
+discrete, accumulating; tests/test_sm90_kernel_gpu.py test_pingpong_ and
+test_cooperative_epilogue_buffer_set_per_group for the buffer sets); PTX (no GPU):
+tests/test_compile_sm90.py (the epilogue's barrier and drain counts), tests/test_compile_sm100*.py
+(reduce-add exactly when accumulating; the overlapping buffers' early release).
 """
 
 from __future__ import annotations

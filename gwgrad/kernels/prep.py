@@ -46,6 +46,14 @@ faulting (output_ptr_ok).
 Descriptors. Every 128-byte slot is written in full, the fields then zeros (write_descriptor);
 a reader acquires each before its first use (acquire_descriptor) and hands it to a copy as
 tma_desc_ptr_for_copy(slot).
+
+Verified on an H200: tests/test_status_gpu.py (invalid offsets write nothing, the status
+record), tests/test_sm90_kernel_gpu.py (test_single_launch_*: the hand-off on any grid and
+the workspace left ready), tests/test_cudnn_api_gpu.py (test_workspace_garbage_gives_the_same_bits,
+test_descriptor_workspace_is_used_and_left_zero), tests/test_fp8_sm90_gpu.py (scale-column
+prefix sums, too-small scales). PTX (no GPU): tests/test_compile_smoke.py
+(test_descriptor_slots_written_in_full), kernel_compile.check_prep_handoff_ptx and
+check_offsets_check_ptx, run by the compile tests of every kernel.
 """
 
 from __future__ import annotations
@@ -304,7 +312,7 @@ def write_ranges_and_order(
             counter[0] = Int32(0)
             ws.live[0] = live
     if cutlass.const_expr(cfg.counts_words):
-        # The balanced schedule's inputs (Sm90GroupedWgrad.counts_balanced); no live expert:
+        # The balanced schedule's inputs (scheduler.counts_balanced); no live expert:
         # spread 0 (there are no units).
         most = cute.arch.warp_redux_sync(most, "max")
         least = cute.arch.warp_redux_sync(least, "min")

@@ -25,6 +25,13 @@ and asks next_unit for each following one. Variants:
 Hand-off inside a CTA: the scheduling warp publishes each unit's words (the kernel's meaning)
 into a ring of shared-memory slots (publish_words) from which the other roles take them
 (take_words); a last unit of expert -1 tells them there is no more work.
+
+Verified on an H200 (SM90 variants): tests/test_sm90_kernel_gpu.py (TestSm90PairSharingA / B:
+the mailbox; test_balanced_schedule: both halves of the balanced schedule), every GPU test
+through the dynamic schedule. PTX (no GPU): tests/test_compile_sm90.py
+(test_unit_schedule_compile, test_cluster_pairs_compile), tests/test_compile_sm100.py
+(check_schedule_counts: only the scheduler warps read CLC responses). ClcUnits has not run on
+an SM100 GPU (tests/test_sm100_kernel_gpu.py is written for it).
 """
 
 from __future__ import annotations

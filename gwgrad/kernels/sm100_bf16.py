@@ -2,34 +2,38 @@
 
 Decomposition: units of (expert, cluster m-tile, n-tile) in the longest-first order of
 kernels/scheduler.py; the prep kernel (kernels/prep.py, shared with SM90) checks the offsets
-and writes the per-expert token ranges and TMA descriptors before this kernel runs. The grid has one cluster
-per unit; cluster launch control (CLC) makes it a dynamic persistent schedule: a running
-cluster cancels the next not-yet-launched cluster and takes its unit, so the hot experts' long
-units, handed out first, do not leave SMs idle at the end.
+and writes the per-expert token ranges and TMA descriptors before this kernel runs. The grid
+has one cluster per unit; cluster launch control (scheduler.ClcUnits) makes it a dynamic
+persistent schedule: a running cluster cancels the next not-yet-launched cluster and takes its
+unit, so the hot experts' long units, handed out first, do not leave SMs idle at the end.
 
 Warp roles (224 threads per CTA), after the CuTe DSL Blackwell examples
 (dense_gemm_persistent_dynamic.py for CLC, moe/torch_grouped_mm.py for the 2Dx2D wgrad):
   warp 6     scheduler(): issues the CLC queries (first CTA of the cluster) and, in every CTA,
-             is the only reader of the responses; decodes each unit once and publishes it
-             to the other roles through a 2-stage unit ring (publish_words / take_words, as
-             on SM90), so the next query goes out while the epilogue is on the unit before last.
-  warp 5     tma_loads(): the unit's A (tile_m x 64) and B (tile_n x 64) K-blocks through the
-             expert's descriptors (zero-fill past its last token), multicast in the cluster.
+             is the only reader of the responses; decodes each unit once and publishes it to
+             the other roles through a 2-stage unit ring (scheduler.publish_words /
+             take_words, as on SM90), so the next query goes out while the epilogue is on the
+             unit before last.
+  warp 5     tma_loads(): the unit's A (tile_m x tile_k) and B (tile_n x tile_k) K-blocks
+             through the expert's descriptors (zero-fill past its last token), multicast in
+             the cluster.
   warp 4     mma(): tcgen05.mma into a double-buffered TMEM accumulator (2 x tile_n columns),
              so one unit's epilogue overlaps the next unit's mainloop; a 256-row tile is one
              2-CTA MMA (cta_group::2) issued by the pair's leader.
-  warps 0-3  epilogue(): allocate TMEM (warp 0); per unit store_tile(): TMEM -> registers ->
-             output dtype -> shared memory -> TMA store or reduce-add (SubtileStore, shared
-             with SM90). Empty experts store zeros (nothing when accumulating); an MMA of the
-             cluster whose rows lie past the output stores nothing.
-Pipelines: ab (TMA -> UMMA, transaction mbarriers), acc (UMMA -> epilogue, TMEM stages), clc
-(CLC response -> every CTA's scheduler warp), unit (scheduler -> TMA, MMA, epilogue warps) and
-the epilogue's TMA store groups. The block-scaled kernel (kernels/sm100_blockscaled.py)
-extends this class through hooks that do not run for BF16 (scales None).
+  warps 0-3  epilogue(): allocate TMEM (warp 0); per unit store_tile(): TmemAccumulator
+             (tcgen05.ld) through the shared epilogue.SubtileStore (output dtype -> shared
+             memory -> TMA store or reduce-add). Empty experts store zeros (nothing when
+             accumulating); an MMA of the cluster whose rows lie past the output stores
+             nothing.
+Pipelines (make_pipelines): ab (TMA -> UMMA, transaction mbarriers), acc (UMMA -> epilogue,
+TMEM stages), clc (CLC response -> every CTA's scheduler warp), unit (scheduler -> TMA, MMA,
+epilogue warps) and the epilogue's TMA store groups. The block-scaled kernel
+(kernels/sm100_blockscaled.py) extends this class through hooks that do not run for BF16.
 
-Invalid offsets: every thread first reads the prep kernel's verdict; on invalid offsets every
-CTA exits before any mbarrier init, cluster barrier, TMEM allocation or CLC query, so no CTA
-waits on one that left and no output byte is written.
+Invariants: every thread first reads the prep kernel's verdict; on invalid offsets every CTA
+exits before any mbarrier init, cluster barrier, TMEM allocation or CLC query, so no CTA waits
+on one that left and no output byte is written. An empty unit (k_tiles 0) has no accumulator
+stage: the MMA warp and the epilogue both skip it.
 
 Compile-verified: tests/test_compile_sm100*.py (every mode and tile x cluster for sm_100a and
 sm_103a; the PTX holds tcgen05.mma, cta_group::2 exactly for 256-row tiles, tcgen05.alloc /
@@ -37,7 +41,7 @@ ld / wait::ld, the CLC try_cancel and its mbarrier counts, multicast loads exact
 share an operand, the descriptor acquire and prefetch, reduce-add exactly when accumulating,
 and the offsets check before any other work); never run on an SM100 GPU
 (tests/test_sm100_kernel_gpu.py is written for it). Its prep kernel, unit order, unit hand-off
-and epilogue decisions are shared with the SM90 kernel and run on the H200.
+and epilogue loop are shared with the SM90 kernel and run on the H200.
 """
 
 # No `from __future__ import annotations`: the shared-storage struct built in launch() needs

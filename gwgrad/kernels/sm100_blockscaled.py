@@ -96,7 +96,7 @@ class TmemPlan:
     frontend's wgrad kernel: buffer 0 at column 0, buffer 1 at tile_n - sf_columns, the
     scale factors in the last sf_columns; one pipeline stage, the buffer picked by its phase
     (the MMA warp's producer phase ^ 1, the epilogue's consumer phase), and the epilogue
-    releases the stage as soon as it has read the shared columns (store_tile)."""
+    releases the stage as soon as it has read the shared columns (TmemAccumulator)."""
 
     tile_n: int
     sf_columns: int  # SFA + SFB columns of one K block

@@ -1,44 +1,44 @@
 """Hopper (SM90) grouped weight-gradient GEMM: W[e] = A[:, tokens_e] @ B[tokens_e, :].
 
 Decomposition: units of (expert, m-tile, n-tile), longest expert first, only for experts with
-tokens (kernels/scheduler.py: unit order; kernels/prep.py: per-expert K ranges and TMA
-descriptors, the offsets check). One launch per call by default: the CTAs do the prep work themselves and each goes on
-once every expert is prepared (prep.prep_handoff, no grid barrier); spec.launches=2 (JAX,
-whose workspace is not zeroed) runs the prep kernel first. Every thread reads the offsets
-verdict first; on invalid offsets the CTA exits before any barrier init, load or store.
+tokens (kernels/scheduler.py). The prep work (kernels/prep.py: ranges, order, descriptors,
+offsets check) runs inside this kernel by default, each CTA going on once every expert is
+prepared (prep.prep_handoff, no grid barrier); spec.launches=2 (JAX, whose workspace is not
+zeroed) runs the prep kernel first. What is this module's: the WGMMA mainloop, the warp
+groups' roles and hand-offs, the CTA pairs' multicast and the zero fill of empty experts.
 
 Warp roles (384 threads, one persistent CTA per SM):
-  warp 0       tma_loads(): takes units (unit schedules below), publishes each to the consumers
-               (the unit ring) and issues the TMA loads of its A (tile_m x 64) and B (tile_n x
-               64) K-blocks with the expert's descriptors (zero-fill past its last token),
-               decoding and prefetching the next unit's descriptors one unit ahead.
+  warp 0       tma_loads(): takes units (scheduler.DynamicUnits or BalancedUnits, through the
+               ClusterMailbox on a pair), publishes each to the consumer groups (the unit
+               ring: publish_unit / take_unit) and loads its A (cta_m x tile_k) and B (cta_n x
+               tile_k) K-blocks through the expert's descriptors (zero-fill past its last
+               token), decoding the next unit and acquiring its descriptors one unit ahead.
   warps 1-3    zero_empty_experts(): TMA bulk copies of a shared line of zeros to the empty
                experts' outputs (nothing when accumulating). Group 0 keeps 40 registers.
-  groups 1-2   consumer() (232 registers): mainloop() (WGMMA, FP32 accumulators in registers),
-               then epilogue(). cooperative: both groups share a unit, half its rows each;
-               with epi_buffer_sets=2 (coop_split) each stores its own 64 rows, the groups
-               taking turns, so one group's epilogue overlaps the other's mainloop. pingpong:
-               each group owns every other unit and hands the tensor cores over (MMA_ORDER)
-               once its last WGMMA batch is issued; the staging buffers are one set taken in
-               turn (EPI_ORDER) or, with epi_buffer_sets=2, a set per group.
-Pipelines: `ab` (TMA -> WGMMA, transaction mbarriers), `unit` (unit ids, TMA warp -> consumers),
-the epilogue's TMA store groups; clusters add the leader's unit mailbox (ClusterMailbox).
-Epilogue: stmatrix into (64|128) x epi_tile_n sub-tiles, each TMA-stored (or reduce-added when
-accumulating) as soon as it is staged (epilogue.SubtileStore, shared with SM100).
+  groups 1-2   consumer() (232 registers): per unit, unit_mainloop() (WGMMA into FP32
+               registers), then store_unit() (RegisterAccumulator through the shared
+               epilogue.SubtileStore: stmatrix into (64|128) x epi_tile_n sub-tiles, each
+               TMA-stored or reduce-added as soon as it is staged). cooperative: both groups
+               on a unit, half its rows each; with epi_buffer_sets=2 (coop_split) each stores
+               its own 64 rows, the groups taking turns (EPI_ORDER), so one group's epilogue
+               overlaps the other's mainloop. pingpong: each group owns every other unit and
+               hands the tensor cores over (MMA_ORDER) once its last WGMMA batch is issued;
+               the staging buffers are one set taken in turn (EPI_ORDER) or a set per group.
+Pipelines: ab (TMA -> WGMMA, transaction mbarriers), unit (unit ids, TMA warp -> consumers),
+the epilogue's TMA store groups; a pair adds the leader's unit mailbox.
 
-Clusters (BF16): a CTA pair, (1, 2) sharing A or (2, 1) B by TMA multicast; a unit is the
-cluster's tile, the leader takes units and hands them to its peers, and a CTA whose part lies
-past the output computes it (the cluster stays in step) and stores nothing. Unit schedules
-(tiling.UNIT_SCHEDULES): dynamic (atomic counter) and balanced (a static order on balanced
-counts, else dynamic, decided in the kernel per launch).
+Invariants: every thread reads the offsets verdict first and on invalid offsets the CTA exits
+before any barrier init, load or store; a pair's CTAs walk the same units (a CTA whose part
+lies past the output computes it and stores nothing); a unit's stage count is its expert's
+K tiles, the same in the TMA warp and both groups.
 
 Verified on an H200: tests/test_sm90_kernel_gpu.py (TestSm90, TestSm90TwoLaunches,
 TestSm90PairSharingA / B: every mode per cluster shape; test_pingpong_ and
 test_cooperative_epilogue_buffer_set_per_group, test_single_launch_*,
-test_balanced_schedule, test_zero_fill_*),
-tests/test_status_gpu.py (invalid offsets write nothing), tests/test_api_gpu.py and the
-adapters' GPU tests. Not yet under the fuzz (tests/test_fuzz_gpu.py), the sanitizer or the soak
-runs: coop_split. PTX checks (sm_90a, no GPU): tests/test_compile_sm90.py.
+test_balanced_schedule, test_zero_fill_*), tests/test_status_gpu.py (invalid offsets write
+nothing), tests/test_api_gpu.py and the adapters' GPU tests. Not yet under the fuzz
+(tests/test_fuzz_gpu.py), the sanitizer or the soak runs: coop_split. PTX checks (sm_90a, no
+GPU): tests/test_compile_sm90.py; structure: tests/test_kernel_structure.py.
 """
 
 # No `from __future__ import annotations`: the shared-storage struct built in launch() needs
@@ -398,7 +398,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         return ClusterStorage
 
     # ------------------------------------------------------------------------------------
-    # prep kernel hooks (the kernel itself is GroupedWgradKernel.prep_kernel)
+    # prep kernel hooks (the kernel itself is prep.PrepWork.prep_kernel)
     # ------------------------------------------------------------------------------------
     @cute.jit
     def expert_load_atoms(self, a_e, b_e, tiled_mma, a_smem_layout, b_smem_layout):

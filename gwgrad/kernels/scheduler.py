@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
 import cutlass.pipeline as pipeline
+from cutlass import Int32, Int64
 from cutlass._mlir.dialects import nvvm
 
 from .config import LoopInvariant, Workspace
@@ -74,15 +74,15 @@ def unit_tile_coords(cfg: cutlass.Constexpr, local: Int32):
     band = local // band_size
     in_band = local - band * band_size
     if cutlass.const_expr(cfg.tiles_m % g == 0):
-        tile_n = in_band // g
-        tile_m = band * g + in_band - tile_n * g
+        unit_n = in_band // g
+        unit_m = band * g + in_band - unit_n * g
     else:
         rows = Int32(g)
         if band >= cfg.tiles_m // g:
             rows = Int32(cfg.tiles_m % g)
-        tile_n = in_band // rows
-        tile_m = band * g + in_band - tile_n * rows
-    return tile_m, tile_n
+        unit_n = in_band // rows
+        unit_m = band * g + in_band - unit_n * rows
+    return unit_m, unit_n
 
 
 # ----------------------------------------------------------------------------------------

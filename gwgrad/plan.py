@@ -161,7 +161,7 @@ def compile_spec(request: StaticSpec, tokens_sum: Optional[int] = None) -> Compi
 #: prep hand-off words of single-launch kernels (bytes 8-15, left zero by every launch).
 WORKSPACE_ZEROED_BYTES = 16
 
-#: The workspace layout of kernels/common.py (ProblemConfig), restated without the DSL: a
+#: The workspace layout of kernels/config.py (ProblemConfig), restated without the DSL: a
 #: block of counters, then per expert int32 words (token range: 2, rank order: 1, the scale
 #: recipes' first scale column / row: 1), padded to a descriptor, then per expert one 128-byte
 #: TMA descriptor for A, B, the discrete output, SFA and SFB.

@@ -149,7 +149,7 @@ def layout(fmt: str, tokens: int, channels: int, num_experts: int, elem: Optiona
 # --- the NumPy model, grouped -------------------------------------------------------------------
 
 def _counts(offsets: np.ndarray, tokens: int, multiple: int) -> Tuple[np.ndarray, np.ndarray]:
-    """(begin, end) per expert, sanitized as the kernels do (kernels/common.sanitized_range):
+    """(begin, end) per expert, sanitized as the kernels do (kernels/prep.sanitized_range):
     each offset clamped into [0, tokens], ``begin_e`` the clamped ``offsets[e-1]``, ``end_e``
     at least ``begin_e``, a count not a multiple of ``multiple`` made empty. Valid offsets
     give the experts' ranges; invalid ones may give overlapping ranges, for which the GPU's

@@ -96,7 +96,7 @@ def split_at_prep_handoff(body: str):
 
 
 def check_prep_handoff_ptx(body: str) -> None:
-    """A single-launch kernel's prep work and hand-off (kernels/common.prep_in_kernel,
+    """A single-launch kernel's prep work and hand-off (kernels/prep.py prep_in_kernel,
     take_expert, prep_handoff), in order: a prep warp's relaxed take of the next expert from
     workspace byte 8, shared by a shuffle; the expert's descriptors released to the
     tensormap proxy, a warp sync, then the release add of the prepared count (byte 12);

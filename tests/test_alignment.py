@@ -140,7 +140,7 @@ def test_wrapper_discrete_pointer_array(rng):
                                                                       shift)}))
     assert gwgrad.cache_info()["plans"] == plans
     # The addresses inside the array are checked too (the reference on the host; CUDA
-    # launches in the prep kernel, gwgrad/kernels/common.py check_offsets).
+    # launches in the prep kernel, gwgrad/kernels/prep.py check_offsets).
     bad = ptrs.copy()
     bad[2] += 4
     with pytest.raises(ValueError, match=r"^wgrad_ptrs: expected a non-null, 16-byte aligned "

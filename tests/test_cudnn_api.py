@@ -198,10 +198,10 @@ def test_workspace_size_errors():
 
 def test_workspace_size_bounds_every_kernel():
     """The host arithmetic (gwgrad.plan.workspace_bytes_bound) against the kernels' own layout
-    (kernels/common.py ProblemConfig.workspace_bytes) for every format family, output mode
+    (kernels/config.py ProblemConfig.workspace_bytes) for every format family, output mode
     and scale recipe the public entry points build: never less, equal for the largest."""
     pytest.importorskip("cutlass")
-    from gwgrad.kernels.common import ProblemConfig
+    from gwgrad.kernels.config import ProblemConfig
 
     size = gwgrad.get_grouped_gemm_wgrad_workspace_size_sm100
     for experts in (1, 3, 8, 129):

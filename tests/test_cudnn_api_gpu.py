@@ -75,7 +75,7 @@ def test_descriptor_workspace_is_used_and_left_zero(output_mode, garbage):
 def test_workspace_garbage_gives_the_same_bits(output_mode):
     """A descriptor_workspace whose every byte past the leading WORKSPACE_ZEROED_BYTES is 0xFF
     gives the same bits as a zero-filled one: the prep work writes each descriptor slot in
-    full (kernels/common.py write_descriptor)."""
+    full (kernels/prep.py write_descriptor)."""
     a, b, offsets, _ = _inputs()
     experts = len(COUNTS)
     size = gwgrad.get_grouped_gemm_wgrad_workspace_size_sm100(experts, output_mode=output_mode)

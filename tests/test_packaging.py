@@ -163,7 +163,7 @@ def test_wheel_holds_the_library_its_adapters_and_the_license(tmp_path):
     for required in ("gwgrad/__init__.py", "gwgrad/_version.py", "gwgrad/__main__.py",
                      "gwgrad/adapters/__init__.py", "gwgrad/adapters/torch.py",
                      "gwgrad/adapters/jax.py", "gwgrad/adapters/cupy.py",
-                     "gwgrad/backends/__init__.py", "gwgrad/kernels/common.py",
+                     "gwgrad/backends/__init__.py", "gwgrad/kernels/config.py",
                      "gwgrad/interop/__init__.py", info + "METADATA"):
         assert required in names, required
     # setuptools >= 77 puts license files under dist-info/licenses/, older ones beside METADATA.

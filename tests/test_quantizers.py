@@ -53,7 +53,7 @@ def draw_counts(rng, experts, multiple):
 
 
 def ranges(offsets, tokens, multiple):
-    """(begin, end) per expert as the kernels sanitize offsets (kernels/common.py): written out
+    """(begin, end) per expert as the kernels sanitize offsets (kernels/prep.py): written out
     here, one expert at a time, independently of quantizers._counts."""
     out = []
     for e, o in enumerate(offsets):

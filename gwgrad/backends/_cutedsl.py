@@ -29,7 +29,7 @@ def problem_config(spec: StaticSpec, schedule: str, unit_tile_m: int = 0, unit_t
     """The kernel-side config. A unit is one cluster's tile: `unit_tile_m` / `unit_tile_n`
     are its extents when they differ from the MMA tile's (SM100 and SM90 clusters; default:
     mma_tiler_mn)."""
-    from ..kernels.common import ProblemConfig
+    from ..kernels.config import ProblemConfig
 
     mixed = spec.b_dtype != spec.a_dtype
     return ProblemConfig(

@@ -54,7 +54,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 from cutlass.memory import SmemAllocator
 
-from .common import sanitized_range
+from .prep import sanitized_range
 
 TILE_TOKENS = 128
 TILE_CHANNELS = 64

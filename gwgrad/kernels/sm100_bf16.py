@@ -1,35 +1,39 @@
 """Blackwell (SM100 family) grouped weight-gradient GEMM: W[e] = A[:, tokens_e] @ B[tokens_e, :].
 
 Decomposition: units of (expert, cluster m-tile, n-tile) in the longest-first order of
-kernels/common.py, whose prep kernel (shared with SM90) checks the offsets and writes the
-per-expert token ranges and TMA descriptors before this kernel runs. The grid has one cluster
-per unit; cluster launch control (CLC) makes it a dynamic persistent schedule: a running
-cluster cancels the next not-yet-launched cluster and takes its unit, so the hot experts' long
-units, handed out first, do not leave SMs idle at the end.
+kernels/scheduler.py; the prep kernel (kernels/prep.py, shared with SM90) checks the offsets
+and writes the per-expert token ranges and TMA descriptors before this kernel runs. The grid
+has one cluster per unit; cluster launch control (scheduler.ClcUnits) makes it a dynamic
+persistent schedule: a running cluster cancels the next not-yet-launched cluster and takes its
+unit, so the hot experts' long units, handed out first, do not leave SMs idle at the end.
 
 Warp roles (224 threads per CTA), after the CuTe DSL Blackwell examples
 (dense_gemm_persistent_dynamic.py for CLC, moe/torch_grouped_mm.py for the 2Dx2D wgrad):
   warp 6     scheduler(): issues the CLC queries (first CTA of the cluster) and, in every CTA,
-             is the only reader of the responses; decodes each unit once and publishes it
-             to the other roles through a 2-stage unit ring (publish_words / take_words, as
-             on SM90), so the next query goes out while the epilogue is on the unit before last.
-  warp 5     tma_loads(): the unit's A (tile_m x 64) and B (tile_n x 64) K-blocks through the
-             expert's descriptors (zero-fill past its last token), multicast in the cluster.
+             is the only reader of the responses; decodes each unit once and publishes it to
+             the other roles through a 2-stage unit ring (scheduler.publish_words /
+             take_words, as on SM90), so the next query goes out while the epilogue is on the
+             unit before last.
+  warp 5     tma_loads(): the unit's A (tile_m x tile_k) and B (tile_n x tile_k) K-blocks
+             through the expert's descriptors (zero-fill past its last token), multicast in
+             the cluster.
   warp 4     mma(): tcgen05.mma into a double-buffered TMEM accumulator (2 x tile_n columns),
              so one unit's epilogue overlaps the next unit's mainloop; a 256-row tile is one
              2-CTA MMA (cta_group::2) issued by the pair's leader.
-  warps 0-3  epilogue(): allocate TMEM (warp 0); per unit store_tile(): TMEM -> registers ->
-             output dtype -> shared memory -> TMA store or reduce-add (store_subtile, shared
-             with SM90). Empty experts store zeros (nothing when accumulating); an MMA of the
-             cluster whose rows lie past the output stores nothing.
-Pipelines: ab (TMA -> UMMA, transaction mbarriers), acc (UMMA -> epilogue, TMEM stages), clc
-(CLC response -> every CTA's scheduler warp), unit (scheduler -> TMA, MMA, epilogue warps) and
-the epilogue's TMA store groups. The block-scaled kernel (kernels/sm100_blockscaled.py)
-extends this class through hooks that do not run for BF16 (scales None).
+  warps 0-3  epilogue(): allocate TMEM (warp 0); per unit store_tile(): TmemAccumulator
+             (tcgen05.ld) through the shared epilogue.SubtileStore (output dtype -> shared
+             memory -> TMA store or reduce-add). Empty experts store zeros (nothing when
+             accumulating); an MMA of the cluster whose rows lie past the output stores
+             nothing.
+Pipelines (make_pipelines): ab (TMA -> UMMA, transaction mbarriers), acc (UMMA -> epilogue,
+TMEM stages), clc (CLC response -> every CTA's scheduler warp), unit (scheduler -> TMA, MMA,
+epilogue warps) and the epilogue's TMA store groups. The block-scaled kernel
+(kernels/sm100_blockscaled.py) extends this class through hooks that do not run for BF16.
 
-Invalid offsets: every thread first reads the prep kernel's verdict; on invalid offsets every
-CTA exits before any mbarrier init, cluster barrier, TMEM allocation or CLC query, so no CTA
-waits on one that left and no output byte is written.
+Invariants: every thread first reads the prep kernel's verdict; on invalid offsets every CTA
+exits before any mbarrier init, cluster barrier, TMEM allocation or CLC query, so no CTA waits
+on one that left and no output byte is written. An empty unit (k_tiles 0) has no accumulator
+stage: the MMA warp and the epilogue both skip it.
 
 Compile-verified: tests/test_compile_sm100*.py (every mode and tile x cluster for sm_100a and
 sm_103a; the PTX holds tcgen05.mma, cta_group::2 exactly for 256-row tiles, tcgen05.alloc /
@@ -37,7 +41,7 @@ ld / wait::ld, the CLC try_cancel and its mbarrier counts, multicast loads exact
 share an operand, the descriptor acquire and prefetch, reduce-add exactly when accumulating,
 and the offsets check before any other work); never run on an SM100 GPU
 (tests/test_sm100_kernel_gpu.py is written for it). Its prep kernel, unit order, unit hand-off
-and epilogue decisions are shared with the SM90 kernel and run on the H200.
+and epilogue loop are shared with the SM90 kernel and run on the H200.
 """
 
 # No `from __future__ import annotations`: the shared-storage struct built in launch() needs
@@ -61,23 +65,12 @@ from cutlass.utils.gemm.sm100 import (
     transform_partitioned_tensor_layout,
 )
 
-from .common import (
-    DESC_A,
-    DESC_B,
-    DESC_C,
-    GroupedWgradKernel,
-    ProblemConfig,
-    Workspace,
-    acquire_descriptor,
-    ceil_div,
-    decode_unit,
-    dense_output_view,
-    expert_output_view,
-    gemm_views,
-    output_ptr_ok,
-    tma_desc_ptr_for_copy,
-    token_origin,
-)
+from .entry import GroupedWgradKernel
+from .epilogue import SubtileStore
+from .prep import acquire_descriptor, output_ptr_ok, tma_desc_ptr_for_copy, token_origin
+from .scheduler import ClcUnits, decode_unit, publish_words, take_words
+from .config import (DESC_A, DESC_B, DESC_C, LoopInvariant, ProblemConfig, Workspace, ceil_div,
+                     dense_output_view, expert_output_view, gemm_views)
 from .tiling import (epi_buffer_sets_problem, sm100_cta_tile_m, sm100_problem,
                      unit_schedule_problem)
 
@@ -403,6 +396,77 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         block_in_cluster_coord_vmnk = cluster_layout_vmnk.get_flat_coord(cta_rank_in_cluster)
         cta_m_in_cluster = cta_rank_in_cluster % cfg.cluster_m
 
+        smem = SmemAllocator()
+        storage = smem.allocate(self.storage_type())
+
+        cluster_size = cute.size(cluster_layout_vmnk)
+        (ab_producer, ab_consumer, acc_pipeline, clc_pipeline, unit_pipeline, unit_slots,
+         tmem) = self.make_pipelines(storage, cluster_layout_vmnk, use_2cta_instrs)
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
+
+        sA = smem.allocate_tensor(
+            element_type=self.ab_dtype, layout=a_smem_layout_staged.outer,
+            byte_alignment=128, swizzle=a_smem_layout_staged.inner,
+        )
+        sB = smem.allocate_tensor(
+            element_type=self.b_dtype, layout=b_smem_layout_staged.outer,
+            byte_alignment=128, swizzle=b_smem_layout_staged.inner,
+        )
+        smem_scales = None
+        if cutlass.const_expr(scales is not None):
+            smem_scales = self.scale_buffers(smem, scales)
+        a_mcast_mask = None
+        b_mcast_mask = None
+        if cutlass.const_expr(self.is_a_mcast or self.is_b_mcast or self.use_2cta_instrs):
+            a_mcast_mask = cpasync.create_tma_multicast_mask(
+                cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=2
+            )
+            b_mcast_mask = cpasync.create_tma_multicast_mask(
+                cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=1
+            )
+        tCrA = tiled_mma.make_fragment_A(sA)
+        tCrB = tiled_mma.make_fragment_B(sB)
+        tCtAcc_fake = self.acc_fragment(tiled_mma)
+        thr_mma = tiled_mma.get_slice(mma_tile_coord_v)
+        a_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape)
+        b_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape)
+
+        clc_response_ptr = storage.clc_response.data_ptr()
+        pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
+
+        if warp_idx == WarpRole.SCHEDULER:
+            # From the cluster's own unit on; every unit it reads goes to the unit ring.
+            units = ClcUnits(clc_pipeline, clc_response_ptr, cluster_size, bidx // cluster_size)
+            self.scheduler(units, unit_pipeline, unit_slots, ws, is_first_cta_in_cluster)
+        if warp_idx == WarpRole.TMA:
+            self.tma_loads(
+                tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB, thr_mma, ab_producer,
+                unit_pipeline, unit_slots, ws, a_cta_layout, b_cta_layout,
+                block_in_cluster_coord_vmnk, a_mcast_mask, b_mcast_mask, cta_m_in_cluster,
+                atom_thr, scales, smem_scales, mma_tile_coord_v, cta_rank_in_cluster,
+            )
+        if warp_idx == WarpRole.MMA:
+            self.mma(
+                tiled_mma, tCrA, tCrB, tCtAcc_fake, tmem, ab_consumer, acc_pipeline,
+                unit_pipeline, unit_slots, is_leader_cta, smem_scales,
+            )
+
+        sC = smem.allocate_tensor(
+            element_type=self.c_dtype, layout=epi_smem_layout_staged.outer,
+            byte_alignment=128, swizzle=epi_smem_layout_staged.inner,
+        )
+
+        if warp_idx < WarpRole.EPILOGUE + NUM_EPI_WARPS:
+            self.epilogue(
+                tma_atom_c, mC_coord, sC, thr_mma, tmem, tCtAcc_fake, acc_pipeline,
+                unit_pipeline, unit_slots, ws, wgrad_ptrs, tidx, warp_idx,
+                epi_tile, use_2cta_instrs, cta_m_in_cluster, atom_thr, scales,
+            )
+
+    def storage_type(self):
+        """The kernel's shared-memory struct of barriers and slots (the tiles are allocated
+        after it)."""
+
         @cute.struct
         class SharedStorage:
             ab_full_mbar_ptr: cute.struct.MemRange[Int64, self.ab_stage * 2]
@@ -414,9 +478,14 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             tmem_dealloc_mbar: Int64
             tmem_holding_buf: Int32
 
-        smem = SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+        return SharedStorage
 
+    @cute.jit
+    def make_pipelines(self, storage, cluster_layout_vmnk, use_2cta_instrs):
+        """The CTA's pipelines in `storage`: ab (TMA -> MMA), acc (MMA -> epilogue, TMEM
+        stages), clc (CLC responses -> every CTA's scheduler warp), the unit ring and its
+        slots, and the TMEM allocator."""
+        cluster_size = cute.size(cluster_layout_vmnk)
         ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
             barrier_storage=storage.ab_full_mbar_ptr.data_ptr(),
             num_stages=self.ab_stage,
@@ -446,7 +515,6 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True,
         )
-        cluster_size = cute.size(cluster_layout_vmnk)
         clc_pipeline = pipeline.PipelineClcFetchAsync.create(
             barrier_storage=storage.clc_mbar_ptr.data_ptr(),
             num_stages=1,
@@ -481,118 +549,43 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             is_two_cta=use_2cta_instrs,
             two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_mbar.ptr,
         )
-        pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
-
-        sA = smem.allocate_tensor(
-            element_type=self.ab_dtype, layout=a_smem_layout_staged.outer,
-            byte_alignment=128, swizzle=a_smem_layout_staged.inner,
-        )
-        sB = smem.allocate_tensor(
-            element_type=self.b_dtype, layout=b_smem_layout_staged.outer,
-            byte_alignment=128, swizzle=b_smem_layout_staged.inner,
-        )
-        smem_scales = None
-        if cutlass.const_expr(scales is not None):
-            smem_scales = self.scale_buffers(smem, scales)
-        a_mcast_mask = None
-        b_mcast_mask = None
-        if cutlass.const_expr(self.is_a_mcast or self.is_b_mcast or self.use_2cta_instrs):
-            a_mcast_mask = cpasync.create_tma_multicast_mask(
-                cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=2
-            )
-            b_mcast_mask = cpasync.create_tma_multicast_mask(
-                cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=1
-            )
-        tCrA = tiled_mma.make_fragment_A(sA)
-        tCrB = tiled_mma.make_fragment_B(sB)
-        tCtAcc_fake = self.acc_fragment(tiled_mma)
-        thr_mma = tiled_mma.get_slice(mma_tile_coord_v)
-        a_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape)
-        b_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape)
-
-        clc_response_ptr = storage.clc_response.data_ptr()
-        clc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
-
-        # The scheduler warp starts from its cluster's own unit and publishes every unit it
-        # reads; the other roles take them from the unit ring.
-        unit = bidx // cluster_size
-
-        if warp_idx == WarpRole.SCHEDULER:
-            self.scheduler(
-                clc_pipeline, clc_state, clc_response_ptr, unit_pipeline, unit_slots, ws,
-                cluster_size, is_first_cta_in_cluster, unit,
-            )
-        if warp_idx == WarpRole.TMA:
-            self.tma_loads(
-                tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB, thr_mma, ab_producer,
-                unit_pipeline, unit_slots, ws, a_cta_layout, b_cta_layout,
-                block_in_cluster_coord_vmnk, a_mcast_mask, b_mcast_mask, cta_m_in_cluster,
-                atom_thr, scales, smem_scales, mma_tile_coord_v, cta_rank_in_cluster,
-            )
-        if warp_idx == WarpRole.MMA:
-            self.mma(
-                tiled_mma, tCrA, tCrB, tCtAcc_fake, tmem, ab_consumer, acc_pipeline,
-                unit_pipeline, unit_slots, is_leader_cta, smem_scales,
-            )
-
-        sC = smem.allocate_tensor(
-            element_type=self.c_dtype, layout=epi_smem_layout_staged.outer,
-            byte_alignment=128, swizzle=epi_smem_layout_staged.inner,
-        )
-
-        if warp_idx < WarpRole.EPILOGUE + NUM_EPI_WARPS:
-            self.epilogue(
-                tma_atom_c, mC_coord, sC, thr_mma, tmem, tCtAcc_fake, acc_pipeline,
-                unit_pipeline, unit_slots, ws, wgrad_ptrs, tidx, warp_idx,
-                epi_tile, use_2cta_instrs, cta_m_in_cluster, atom_thr, scales,
-            )
+        return (ab_producer, ab_consumer, acc_pipeline, clc_pipeline, unit_pipeline, unit_slots,
+                tmem)
 
     # ------------------------------------------------------------------------------------
     # warp roles
     # ------------------------------------------------------------------------------------
     @cute.jit
-    def scheduler(
-        self, clc_pipeline, clc_state, clc_response_ptr, unit_pipeline, unit_slots, ws,
-        cluster_size: cutlass.Constexpr, is_first_cta_in_cluster, unit,
-    ):
-        """Scheduler warp. In the first CTA of the cluster it issues the CLC queries; in every
-        CTA it is the only warp that reads the responses (the CLC slot is free again as soon
-        as every CTA's scheduler has read it), decodes each unit once and publishes it to the
-        TMA, MMA and epilogue warps through the unit ring, ending with a unit of expert -1.
-        With two ring stages the next query goes out while the epilogue still works on the
-        unit before last (cuDNN frontend's wgrad kernel does the same)."""
+    def scheduler(self, units, unit_pipeline, unit_slots, ws, is_first_cta_in_cluster):
+        """Scheduler warp: takes the units from cluster launch control (scheduler.ClcUnits:
+        the first CTA of the cluster issues the queries; in every CTA this warp is the only
+        reader of the responses, so the CLC slot is free again as soon as every CTA's
+        scheduler has read it), decodes each unit once and publishes it to the TMA, MMA and
+        epilogue warps through the unit ring, ending with a unit of expert -1. With two ring
+        stages the next query goes out while the epilogue still works on the unit before last
+        (cuDNN frontend's wgrad kernel does the same)."""
         lane = cute.arch.lane_idx()
         unit_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, UNIT_STAGES)
-        self.publish_words(unit_pipeline, unit_state, unit_slots,
-                           self.unit_words(unit, cutlass.Boolean(True), ws), lane)
+        unit, walk = units.first_unit()
+        publish_words(unit_pipeline, unit_state, unit_slots,
+                      self.unit_words(unit, cutlass.Boolean(True), ws), lane)
         unit_state.advance()
         valid = cutlass.Boolean(True)
         if is_first_cta_in_cluster:
-            clc_prod = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.ProducerConsumer, 1
-            )
+            query = units.first_query()
             while valid:
-                clc_pipeline.producer_acquire(clc_prod)
-                with cute.arch.elect_one():
-                    cute.arch.issue_clc_query(
-                        clc_pipeline.producer_get_barrier(clc_prod), clc_response_ptr
-                    )
-                clc_prod.advance()
-                unit, valid, clc_state = self.next_unit(
-                    clc_pipeline, clc_state, clc_response_ptr, cluster_size
-                )
-                self.publish_words(unit_pipeline, unit_state, unit_slots,
-                                   self.unit_words(unit, valid, ws), lane)
+                units.query(query)
+                query.advance()
+                unit, valid, walk = units.next_unit(unit, walk, lane)
+                publish_words(unit_pipeline, unit_state, unit_slots,
+                              self.unit_words(unit, valid, ws), lane)
                 unit_state.advance()
-            clc_pipeline.producer_tail(clc_prod)
+            units.finish_queries(query)
         else:
             while valid:
-                unit, valid, clc_state = self.next_unit(
-                    clc_pipeline, clc_state, clc_response_ptr, cluster_size
-                )
-                self.publish_words(unit_pipeline, unit_state, unit_slots,
-                                   self.unit_words(unit, valid, ws), lane)
+                unit, valid, walk = units.next_unit(unit, walk, lane)
+                publish_words(unit_pipeline, unit_state, unit_slots,
+                              self.unit_words(unit, valid, ws), lane)
                 unit_state.advance()
 
     @cute.jit
@@ -618,7 +611,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
     def take_unit(self, unit_pipeline, unit_state, unit_slots):
         """The next unit from the scheduler warp: (expert, unit m, unit n, first token,
         k tiles, state); expert < 0 means no more work."""
-        words, unit_state = self.take_words(unit_pipeline, unit_state, unit_slots, UNIT_WORDS)
+        words, unit_state = take_words(unit_pipeline, unit_state, unit_slots, UNIT_WORDS)
         return words[0], words[1], words[2], words[3], words[4], unit_state
 
     @cute.jit
@@ -626,7 +619,7 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         """The MMA warp's view of the next unit: (expert, k tiles, tokens, state); `tokens`
         is the expert's token count from the unit words where a hook publishes it
         (block-scaled), else 0 (unused)."""
-        words, unit_state = self.take_words(unit_pipeline, unit_state, unit_slots,
+        words, unit_state = take_words(unit_pipeline, unit_state, unit_slots,
                                             self.unit_word_count)
         tokens = Int32(0)
         if cutlass.const_expr(self.unit_word_count > UNIT_WORDS):
@@ -794,7 +787,71 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
         acc_state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Consumer, self.acc_stage
         )
-        c_pipeline = pipeline.PipelineTmaStore.create(
+        (subtile_store, tiled_copy_t2r, tTR_tAcc_base, tTR_rAcc, bSG_sC,
+         bSG_gC_all) = self.epilogue_setup(tma_atom_c, mC_coord, sC, thr_mma, tCtAcc_base, tidx,
+                                           epi_tile, use_2cta_instrs)
+        n_done = Int32(0)
+        unit_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, UNIT_STAGES)
+        expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
+            unit_pipeline, unit_state, unit_slots
+        )
+        while expert >= 0:
+            mma_m = (unit_m * cfg.cluster_m + cta_m_in_cluster) // atom_thr
+            store = self.unit_stored(wgrad_ptrs, expert, mma_m, k_tiles)
+            # alpha_e does not depend on the accumulator: its loads go out before the wait.
+            alpha = None
+            if cutlass.const_expr(scales is not None):
+                alpha = self.unit_alpha(scales, expert)
+            if k_tiles > 0:
+                acc_pipeline.consumer_wait(acc_state)
+            if store:
+                if cutlass.const_expr(cfg.output_mode == "dense"):
+                    bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, expert)]
+                    self.store_tile(
+                        subtile_store, tTR_tAcc_base, acc_pipeline, acc_state, k_tiles,
+                        tiled_copy_t2r, tTR_rAcc, bSG_sC, bSG_gC, None, warp_idx, n_done, alpha,
+                    )
+                else:
+                    bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, 0)]
+                    if warp_idx == WarpRole.EPILOGUE:
+                        acquire_descriptor(ws, expert, DESC_C)
+                    desc_c = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_C))
+                    self.store_tile(
+                        subtile_store, tTR_tAcc_base, acc_pipeline, acc_state, k_tiles,
+                        tiled_copy_t2r, tTR_rAcc, bSG_sC, bSG_gC, desc_c, warp_idx, n_done,
+                        alpha,
+                    )
+                n_done += 1
+            # Every epilogue thread releases the stage (as torch_grouped_mm does); an empty
+            # unit has no accumulator stage to wait for or release. With overlapping buffers
+            # store_tile released it early (after the sub-tiles the next buffer overlaps);
+            # a unit it did not store releases here.
+            if k_tiles > 0:
+                if cutlass.const_expr(self.overlapping_accum):
+                    if not store:
+                        acc_pipeline.consumer_release(acc_state)
+                else:
+                    # This thread's TMEM loads are complete before the MMA may overwrite
+                    # the stage.
+                    cute.arch.fence_view_async_tmem_load()
+                    acc_pipeline.consumer_release(acc_state)
+                acc_state.advance()
+
+            expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
+                unit_pipeline, unit_state, unit_slots
+            )
+        subtile_store.store_pipeline.producer_tail()
+        tmem.relinquish_alloc_permit()
+        tmem.free(tmem_ptr)
+
+    @cute.jit
+    def epilogue_setup(self, tma_atom_c, mC_coord, sC, thr_mma, tCtAcc_base, tidx, epi_tile,
+                       use_2cta_instrs: cutlass.Constexpr):
+        """The epilogue warps' copies (the DSL's SM100 helpers): TMEM -> registers
+        (tcgen05.ld: the tiled copy, its TMEM partition (..., buffer) and FP32 registers),
+        registers -> shared memory (in the SubtileStore) and the TMA partitions of the
+        staging buffers and of the output ((..., mma m, n, expert))."""
+        store_pipeline = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stage,
             producer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, self.num_epi_threads
@@ -818,137 +875,87 @@ class Sm100GroupedWgrad(GroupedWgradKernel):
             tma_atom_c, 0, cute.make_layout(1),
             cute.group_modes(sC, 0, 2), cute.group_modes(tCgC_epi, 0, 2),
         )
-        n_done = Int32(0)
-        unit_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, UNIT_STAGES)
-        expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
-            unit_pipeline, unit_state, unit_slots
-        )
-        while expert >= 0:
-            mma_m = (unit_m * cfg.cluster_m + cta_m_in_cluster) // atom_thr
-            store = True
-            if cutlass.const_expr(cfg.accumulate):
-                store = k_tiles > 0  # adding zeros changes nothing
-            if cutlass.const_expr(cfg.output_mode == "discrete"):
-                store = store and output_ptr_ok(wgrad_ptrs, expert)
-            if cutlass.const_expr(self.mmas_per_cluster_m > 1):
-                # Rows past the output: with a single MMA tile along M that tile mode has one
-                # element and the index would alias the first tile (stored, or added, twice).
-                store = store and mma_m < self.mma_tiles_m
-            # alpha_e does not depend on the accumulator: its loads go out before the wait.
-            alpha = None
-            if cutlass.const_expr(scales is not None):
-                alpha = self.unit_alpha(scales, expert)
-            if k_tiles > 0:
-                acc_pipeline.consumer_wait(acc_state)
-            if store:
-                if cutlass.const_expr(cfg.output_mode == "dense"):
-                    bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, expert)]
-                    self.store_tile(
-                        tTR_tAcc_base, acc_pipeline, acc_state, k_tiles, tiled_copy_t2r,
-                        tTR_rAcc, tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC,
-                        None, c_pipeline, epi_bar, warp_idx, n_done, alpha,
-                    )
-                else:
-                    bSG_gC = bSG_gC_all[(None, None, None, mma_m, unit_n, 0)]
-                    if warp_idx == WarpRole.EPILOGUE:
-                        acquire_descriptor(ws, expert, DESC_C)
-                    desc_c = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_C))
-                    self.store_tile(
-                        tTR_tAcc_base, acc_pipeline, acc_state, k_tiles, tiled_copy_t2r,
-                        tTR_rAcc, tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC,
-                        desc_c, c_pipeline, epi_bar, warp_idx, n_done, alpha,
-                    )
-                n_done += 1
-            # Every epilogue thread releases the stage (as torch_grouped_mm does); an empty
-            # unit has no accumulator stage to wait for or release. With overlapping buffers
-            # store_tile released it early (after the sub-tiles the next buffer overlaps);
-            # a unit it did not store releases here.
-            if k_tiles > 0:
-                if cutlass.const_expr(self.overlapping_accum):
-                    if not store:
-                        acc_pipeline.consumer_release(acc_state)
-                else:
-                    # This thread's TMEM loads are complete before the MMA may overwrite
-                    # the stage.
-                    cute.arch.fence_view_async_tmem_load()
-                    acc_pipeline.consumer_release(acc_state)
-                acc_state.advance()
-
-            expert, unit_m, unit_n, begin, k_tiles, unit_state = self.take_unit(
-                unit_pipeline, unit_state, unit_slots
-            )
-        c_pipeline.producer_tail()
-        tmem.relinquish_alloc_permit()
-        tmem.free(tmem_ptr)
-
-    # ------------------------------------------------------------------------------------
-    @cute.jit
-    def next_unit(self, clc_pipeline, clc_state, clc_response_ptr,
-                  cluster_size: cutlass.Constexpr):
-        """The scheduler warp's step to its next unit: wait for the CLC response, read it,
-        hand the slot back. The advanced state is returned (the DSL threads only values
-        rebound in the caller's loop)."""
-        clc_pipeline.consumer_wait(clc_state)
-        unit, valid = self.read_clc_response(clc_response_ptr, cluster_size)
-        clc_pipeline.consumer_release(clc_state)
-        clc_state.advance()
-        return unit, valid, clc_state
+        subtile_store = SubtileStore(self.c_dtype, tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c,
+                                     self.epi_stage, store_pipeline, epi_bar)
+        return subtile_store, tiled_copy_t2r, tTR_tAcc_base, tTR_rAcc, bSG_sC, bSG_gC_all
 
     @cute.jit
-    def read_clc_response(self, clc_response_ptr, cluster_size: cutlass.Constexpr):
-        """The unit of the cluster this CTA's cluster just cancelled (grid x = unit * size)."""
-        m_idx, _, _, vld = cute.arch.clc_response(clc_response_ptr)
-        # The response is read through the generic proxy; the next query writes it through
-        # the async proxy.
-        cute.arch.fence_proxy("async.shared", space="cta")
-        return m_idx // cluster_size, vld != 0
+    def unit_stored(self, wgrad_ptrs, expert, mma_m, k_tiles):
+        """Whether this CTA stores its MMA tile `mma_m` of the unit."""
+        cfg = self.cfg
+        store = True
+        if cutlass.const_expr(cfg.accumulate):
+            store = k_tiles > 0  # adding zeros changes nothing
+        if cutlass.const_expr(cfg.output_mode == "discrete"):
+            store = store and output_ptr_ok(wgrad_ptrs, expert)
+        if cutlass.const_expr(self.mmas_per_cluster_m > 1):
+            # Rows past the output: with a single MMA tile along M that tile mode has one
+            # element and the index would alias the first tile (stored, or added, twice).
+            store = store and mma_m < self.mma_tiles_m
+        return store
 
     @cute.jit
     def store_tile(
-        self, tTR_tAcc_base, acc_pipeline, acc_state, k_tiles, tiled_copy_t2r, tTR_rAcc,
-        tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c, bSG_sC, bSG_gC, desc_c, c_pipeline,
-        epi_bar, warp_idx, n_done, alpha,
+        self, subtile_store, tTR_tAcc_base, acc_pipeline, acc_state, k_tiles, tiled_copy_t2r,
+        tTR_rAcc, bSG_sC, bSG_gC, desc_c, warp_idx, n_done, alpha,
     ):
-        """TMEM -> registers (times `alpha` unless None) -> output dtype -> shared memory ->
-        TMA store, sub-tile by sub-tile (the store itself: store_subtile, issued by the first
-        epilogue warp).
-
-        Overlapping accumulator buffers (block-scaled, tile_n = 256; see acc_fragment
-        there): buffer 0's sub-tiles go last to first, buffer 1's first to last, so the
-        columns the two buffers share come first; once those are in registers (after
-        acc_release_subtile) this thread releases the stage and the MMA warp may start the
-        next unit in the other buffer while the rest of this one is stored. The staging
-        buffer follows the issue order, so consecutive stores never share one."""
+        """The unit's accumulator from TMEM (TmemAccumulator: times `alpha` unless None) to
+        the output, sub-tile by sub-tile (epilogue.SubtileStore; the stores issued by the
+        first epilogue warp)."""
         acc_buf = self.acc_buffer(acc_state, False)
         tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_buf)]
         tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
         bSG_gC = cute.group_modes(bSG_gC, 1, cute.rank(bSG_gC))
         subtiles = cute.size(tTR_tAcc.shape, mode=[3])
-        first = n_done * subtiles
-        for sub in cutlass.range(subtiles):
-            real = sub
-            if cutlass.const_expr(self.overlapping_accum):
-                if acc_buf == 0:
-                    real = subtiles - 1 - sub
-            acc_vec = cute.zeros_like(tiled_copy_r2s.retile(tTR_rAcc))
-            if k_tiles > 0:
-                cute.copy(tiled_copy_t2r, tTR_tAcc[(None, None, None, real)], tTR_rAcc)
-                if cutlass.const_expr(self.overlapping_accum):
-                    if sub == self.acc_release_subtile:
-                        # This thread's TMEM loads of the shared columns are complete.
-                        cute.arch.fence_view_async_tmem_load()
-                        acc_pipeline.consumer_release(acc_state)
-                acc_vec = tiled_copy_r2s.retile(tTR_rAcc).load()
-                if cutlass.const_expr(alpha is not None):
-                    acc_vec = acc_vec * alpha
-            tRS_rC.store(acc_vec.to(self.c_dtype))
-            buf = (first + sub) % self.epi_stage
-            cute.copy(tiled_copy_r2s, tRS_rC, tRS_sC[(None, None, None, buf)])
-            # Register -> shared writes (generic proxy) before the TMA store (async proxy).
-            cute.arch.fence_proxy("async.shared", space="cta")
-            epi_bar.arrive_and_wait()
-            if warp_idx == WarpRole.EPILOGUE:
-                self.store_subtile(
-                    tma_atom_c, bSG_sC[(None, buf)], bSG_gC[(None, real)], desc_c, c_pipeline
-                )
-            epi_bar.arrive_and_wait()
+        accumulator = TmemAccumulator(
+            tiled_copy_t2r, tTR_tAcc, tTR_rAcc, subtile_store.tiled_copy_r2s, bSG_gC, acc_buf,
+            subtiles, k_tiles, alpha, acc_pipeline, acc_state,
+            self.acc_release_subtile if self.overlapping_accum else None,
+        )
+        subtile_store.store_tile(accumulator, bSG_sC, subtiles, False, n_done * subtiles, 0,
+                                 desc_c, warp_idx == WarpRole.EPILOGUE)
+
+
+class TmemAccumulator(LoopInvariant):
+    """The epilogue's view of a unit's accumulator in TMEM (epilogue.SubtileStore): sub-tile
+    i is read by tcgen05.ld (`tiled_copy_t2r`, `tTR_tAcc` (..., sub-tile)) into `tTR_rAcc`
+    and multiplied by `alpha` (None: 1); an empty unit (k_tiles 0) stores zeros.
+
+    Overlapping accumulator buffers (`release_subtile` not None: block-scaled, tile_n = 256;
+    see acc_fragment there): buffer 0's sub-tiles go last to first, buffer 1's first to
+    last, so the columns the two buffers share come first; once those are in registers
+    (after sub-tile `release_subtile`) this thread releases the stage and the MMA warp may
+    start the next unit in the other buffer while the rest of this one is stored. The staging
+    buffer follows the issue order, so consecutive stores never share one."""
+
+    def __init__(self, tiled_copy_t2r, tTR_tAcc, tTR_rAcc, tiled_copy_r2s, bSG_gC, acc_buf,
+                 subtiles, k_tiles, alpha, acc_pipeline, acc_state, release_subtile):
+        self.tiled_copy_t2r, self.tTR_tAcc, self.tTR_rAcc = tiled_copy_t2r, tTR_tAcc, tTR_rAcc
+        self.tiled_copy_r2s, self.bSG_gC, self.acc_buf = tiled_copy_r2s, bSG_gC, acc_buf
+        self.subtiles, self.k_tiles, self.alpha = subtiles, k_tiles, alpha
+        self.acc_pipeline, self.acc_state = acc_pipeline, acc_state
+        self.release_subtile = release_subtile
+
+    @cute.jit
+    def load(self, sub):
+        overlapping = self.release_subtile is not None
+        real = sub
+        if cutlass.const_expr(overlapping):
+            if self.acc_buf == 0:
+                real = self.subtiles - 1 - sub
+        acc_vec = cute.zeros_like(self.tiled_copy_r2s.retile(self.tTR_rAcc))
+        if self.k_tiles > 0:
+            cute.copy(self.tiled_copy_t2r, self.tTR_tAcc[(None, None, None, real)], self.tTR_rAcc)
+            if cutlass.const_expr(overlapping):
+                if sub == self.release_subtile:
+                    # This thread's TMEM loads of the shared columns are complete.
+                    cute.arch.fence_view_async_tmem_load()
+                    self.acc_pipeline.consumer_release(self.acc_state)
+            acc_vec = self.tiled_copy_r2s.retile(self.tTR_rAcc).load()
+            if cutlass.const_expr(self.alpha is not None):
+                acc_vec = acc_vec * self.alpha
+        return acc_vec, real
+
+    @cute.jit
+    def target(self, position):
+        return self.bSG_gC[(None, position)]

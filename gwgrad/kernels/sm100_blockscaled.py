@@ -15,7 +15,7 @@ hooks. Where it differs, after the CuTe DSL example dense_blockscaled_gemm_persi
                round_up(rows, 128) * sf_base[e] bytes (sf_base: the prefix sum of the padded
                scale columns of the experts before it) and spans exactly its C_e columns: a
                load past them is zero-filled by TMA, never another expert's scales. Every
-               slot is written in full, fields then zeros (common.write_descriptor).
+               slot is written in full, fields then zeros (prep.write_descriptor).
   TMA warp     per stage, with A and B: the m-tile's SFA and the n-tile's SFB atoms of the K
                block on the same transaction barrier, multicast as the example does (SFA like
                A; SFB over the cluster's M extent).
@@ -68,14 +68,9 @@ from cutlass import Float32, Int16, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, tcgen05
 
 from ..scales import ATOM_ROWS, BLOCKED
-from .common import (
-    ProblemConfig,
-    ScaledEntryPoints,
-    Workspace,
-    scale_columns,
-    write_descriptor,
-    tma_desc_ptr_for_copy,
-)
+from .config import ProblemConfig, Workspace
+from .entry import ScaledEntryPoints
+from .prep import scale_columns, tma_desc_ptr_for_copy, write_descriptor
 from .sm100_bf16 import UNIT_WORDS, Sm100GroupedWgrad
 from .tiling import sm100_blockscaled_problem
 from .types import cutlass_type
@@ -101,7 +96,7 @@ class TmemPlan:
     frontend's wgrad kernel: buffer 0 at column 0, buffer 1 at tile_n - sf_columns, the
     scale factors in the last sf_columns; one pipeline stage, the buffer picked by its phase
     (the MMA warp's producer phase ^ 1, the epilogue's consumer phase), and the epilogue
-    releases the stage as soon as it has read the shared columns (store_tile)."""
+    releases the stage as soon as it has read the shared columns (TmemAccumulator)."""
 
     tile_n: int
     sf_columns: int  # SFA + SFB columns of one K block

@@ -1,44 +1,44 @@
 """Hopper (SM90) grouped weight-gradient GEMM: W[e] = A[:, tokens_e] @ B[tokens_e, :].
 
 Decomposition: units of (expert, m-tile, n-tile), longest expert first, only for experts with
-tokens (kernels/common.py: unit order, per-expert K ranges and TMA descriptors, the offsets
-check). One launch per call by default: the CTAs do the prep work themselves and each goes on
-once every expert is prepared (common.prep_handoff, no grid barrier); spec.launches=2 (JAX,
-whose workspace is not zeroed) runs the prep kernel first. Every thread reads the offsets
-verdict first; on invalid offsets the CTA exits before any barrier init, load or store.
+tokens (kernels/scheduler.py). The prep work (kernels/prep.py: ranges, order, descriptors,
+offsets check) runs inside this kernel by default, each CTA going on once every expert is
+prepared (prep.prep_handoff, no grid barrier); spec.launches=2 (JAX, whose workspace is not
+zeroed) runs the prep kernel first. What is this module's: the WGMMA mainloop, the warp
+groups' roles and hand-offs, the CTA pairs' multicast and the zero fill of empty experts.
 
 Warp roles (384 threads, one persistent CTA per SM):
-  warp 0       producer(): takes units (unit schedules below), publishes each to the consumers
-               (`sched` ring) and issues the TMA loads of its A (tile_m x 64) and B (tile_n x
-               64) K-blocks with the expert's descriptors (zero-fill past its last token),
-               decoding and prefetching the next unit's descriptors one unit ahead.
+  warp 0       tma_loads(): takes units (scheduler.DynamicUnits or BalancedUnits, through the
+               ClusterMailbox on a pair), publishes each to the consumer groups (the unit
+               ring: publish_unit / take_unit) and loads its A (cta_m x tile_k) and B (cta_n x
+               tile_k) K-blocks through the expert's descriptors (zero-fill past its last
+               token), decoding the next unit and acquiring its descriptors one unit ahead.
   warps 1-3    zero_empty_experts(): TMA bulk copies of a shared line of zeros to the empty
                experts' outputs (nothing when accumulating). Group 0 keeps 40 registers.
-  groups 1-2   consumer() (232 registers): mainloop() (WGMMA, FP32 accumulators in registers),
-               then epilogue(). cooperative: both groups share a unit, half its rows each;
-               with epi_buffer_sets=2 (coop_split) each stores its own 64 rows, the groups
-               taking turns, so one group's epilogue overlaps the other's mainloop. pingpong:
-               each group owns every other unit and hands the tensor cores over (MMA_ORDER)
-               once its last WGMMA batch is issued; the staging buffers are one set taken in
-               turn (EPI_ORDER) or, with epi_buffer_sets=2, a set per group.
-Pipelines: `ab` (TMA -> WGMMA, transaction mbarriers), `sched` (unit ids, producer -> consumers),
-the epilogue's TMA store groups; clusters add the leader's unit mailbox (cluster_next_unit).
-Epilogue: stmatrix into (64|128) x epi_tile_n sub-tiles, each TMA-stored (or reduce-added when
-accumulating) as soon as it is staged (GroupedWgradKernel.store_subtile, shared with SM100).
+  groups 1-2   consumer() (232 registers): per unit, unit_mainloop() (WGMMA into FP32
+               registers), then store_unit() (RegisterAccumulator through the shared
+               epilogue.SubtileStore: stmatrix into (64|128) x epi_tile_n sub-tiles, each
+               TMA-stored or reduce-added as soon as it is staged). cooperative: both groups
+               on a unit, half its rows each; with epi_buffer_sets=2 (coop_split) each stores
+               its own 64 rows, the groups taking turns (EPI_ORDER), so one group's epilogue
+               overlaps the other's mainloop. pingpong: each group owns every other unit and
+               hands the tensor cores over (MMA_ORDER) once its last WGMMA batch is issued;
+               the staging buffers are one set taken in turn (EPI_ORDER) or a set per group.
+Pipelines: ab (TMA -> WGMMA, transaction mbarriers), unit (unit ids, TMA warp -> consumers),
+the epilogue's TMA store groups; a pair adds the leader's unit mailbox.
 
-Clusters (BF16): a CTA pair, (1, 2) sharing A or (2, 1) B by TMA multicast; a unit is the
-cluster's tile, the leader takes units and hands them to its peers, and a CTA whose part lies
-past the output computes it (the cluster stays in step) and stores nothing. Unit schedules
-(tiling.UNIT_SCHEDULES): dynamic (atomic counter) and balanced (a static order on balanced
-counts, else dynamic, decided in the kernel per launch).
+Invariants: every thread reads the offsets verdict first and on invalid offsets the CTA exits
+before any barrier init, load or store; a pair's CTAs walk the same units (a CTA whose part
+lies past the output computes it and stores nothing); a unit's stage count is its expert's
+K tiles, the same in the TMA warp and both groups.
 
 Verified on an H200: tests/test_sm90_kernel_gpu.py (TestSm90, TestSm90TwoLaunches,
 TestSm90PairSharingA / B: every mode per cluster shape; test_pingpong_ and
 test_cooperative_epilogue_buffer_set_per_group, test_single_launch_*,
-test_balanced_schedule, test_zero_fill_*),
-tests/test_status_gpu.py (invalid offsets write nothing), tests/test_api_gpu.py and the
-adapters' GPU tests. Not yet under the fuzz (tests/test_fuzz_gpu.py), the sanitizer or the soak
-runs: coop_split. PTX checks (sm_90a, no GPU): tests/test_compile_sm90.py.
+test_balanced_schedule, test_zero_fill_*), tests/test_status_gpu.py (invalid offsets write
+nothing), tests/test_api_gpu.py and the adapters' GPU tests. Not yet under the fuzz
+(tests/test_fuzz_gpu.py), the sanitizer or the soak runs: coop_split. PTX checks (sm_90a, no
+GPU): tests/test_compile_sm90.py; structure: tests/test_kernel_structure.py.
 """
 
 # No `from __future__ import annotations`: the shared-storage struct built in launch() needs
@@ -52,39 +52,24 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32, Int64
-from cutlass._mlir.dialects import nvvm
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.tensor_utils import LayoutEnum
 
-from .common import (
-    GroupedWgradKernel,
-    DESC_A,
-    DESC_B,
-    DESC_C,
-    STATUS_INT32,
-    ProblemConfig,
-    Workspace,
-    acquire_descriptor,
-    ceil_div,
-    decode_unit,
-    dense_output_view,
-    expert_output_view,
-    bulk_store_from_shared,
-    gemm_views,
-    output_ptr_ok,
-    store_shared_zeros_16b,
-    tma_desc_ptr_for_copy,
-    token_origin,
-    unit_tile_coords,
-)
-from .tiling import (SM90_CLUSTERS, SM90_FP8_CLUSTERS, epi_buffer_sets_problem,
-                     unit_schedule_problem, SCHEDULE_BALANCED, BALANCED_SPREAD)
+from .config import (DESC_A, DESC_B, DESC_C, STATUS_INT32, LoopInvariant, ProblemConfig,
+                     Workspace, ceil_div, dense_output_view, expert_output_view, gemm_views)
+from .entry import GroupedWgradKernel
+from .epilogue import SubtileStore
+from .prep import acquire_descriptor, output_ptr_ok, tma_desc_ptr_for_copy, token_origin
+from .scheduler import (BalancedUnits, ClusterMailbox, DynamicUnits, decode_unit, publish_words,
+                        take_words, unit_tile_coords)
+from .tiling import (SM90_CLUSTERS, SM90_FP8_CLUSTERS, SCHEDULE_BALANCED,
+                     epi_buffer_sets_problem, unit_schedule_problem)
 
 SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_90")  # 227 KiB per CTA
-SCHED_STAGES = 4
-MBOX_STAGES = 4  # clusters: unit ids the leader CTA hands its peers ahead of use
+UNIT_STAGES = 4  # the unit ring: units the TMA warp publishes ahead of the consumer groups
 SMEM_RESERVED = 2048  # mbarriers, the unit ring, alignment
 MAX_AB_STAGE = 8
 
@@ -116,6 +101,31 @@ class Barrier(enum.IntEnum):
 # ZERO_IN_FLIGHT copies per issuing thread not yet read.
 ZERO_LINE = 512
 ZERO_IN_FLIGHT = 8
+
+
+def bulk_store_from_shared(gaddr: Int64, saddr: Int32, size: Int32, *, loc=None,
+                           ip=None) -> None:
+    """``size`` bytes (a multiple of 16) from shared address ``saddr`` to global ``gaddr``
+    (both 16-byte aligned) by the TMA unit, in the calling thread's current bulk group
+    (``cp.async.bulk.global.shared::cta.bulk_group``). The DSL's ``cpasync.CopyBulkS2GOp``
+    issues the same instruction through a copy atom of a static size; the zero fill's last
+    line of an expert is shorter, so it would need a second atom and tensors around raw
+    addresses."""
+    llvm.inline_asm(None, [Int64(gaddr).ir_value(loc=loc, ip=ip),
+                           Int32(saddr).ir_value(loc=loc, ip=ip),
+                           Int32(size).ir_value(loc=loc, ip=ip)],
+                    "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;", "l,r,r",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+def store_shared_zeros_16b(saddr: Int32, *, loc=None, ip=None) -> None:
+    """16 zero bytes at shared address ``saddr`` (16-byte aligned)."""
+    llvm.inline_asm(None, [Int32(saddr).ir_value(loc=loc, ip=ip)],
+                    "st.shared.v4.b32 [$0], {0, 0, 0, 0};", "r",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
 
 
 class Sm90GroupedWgrad(GroupedWgradKernel):
@@ -358,8 +368,8 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         @cute.struct
         class SharedStorage:
             ab_mbar: cute.struct.MemRange[Int64, self.ab_stage * 2]
-            sched_mbar: cute.struct.MemRange[Int64, SCHED_STAGES * 2]
-            sched_slots: cute.struct.MemRange[Int32, SCHED_STAGES * 4]  # 16 B: 3 words used
+            unit_mbar: cute.struct.MemRange[Int64, UNIT_STAGES * 2]
+            unit_slots: cute.struct.MemRange[Int32, UNIT_STAGES * 4]  # 16 B: 3 words used
             # The zero fill's source line (in the padding before sA's 1024-byte alignment).
             zero_line: cute.struct.Align[cute.struct.MemRange[Int32, ZERO_LINE // 4], 128]
             sA: cute.struct.Align[
@@ -378,15 +388,17 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         @cute.struct
         class ClusterStorage:
             gemm: SharedStorage
-            # The unit mailbox (cluster_next_unit): full barriers (the peers'), empty
+            # The unit mailbox (scheduler.ClusterMailbox): full barriers (the peers'), empty
             # barriers (the leader's), one 16-byte slot per stage.
-            mbox_mbar: cute.struct.MemRange[Int64, MBOX_STAGES * 2]
-            mbox_slots: cute.struct.Align[cute.struct.MemRange[Int32, MBOX_STAGES * 4], 16]
+            mbox_mbar: cute.struct.MemRange[Int64, ClusterMailbox.STAGES * 2]
+            mbox_slots: cute.struct.Align[
+                cute.struct.MemRange[Int32, ClusterMailbox.STAGES * 4], 16
+            ]
 
         return ClusterStorage
 
     # ------------------------------------------------------------------------------------
-    # prep kernel hooks (the kernel itself is GroupedWgradKernel.prep_kernel)
+    # prep kernel hooks (the kernel itself is prep.PrepWork.prep_kernel)
     # ------------------------------------------------------------------------------------
     @cute.jit
     def expert_load_atoms(self, a_e, b_e, tiled_mma, a_smem_layout, b_smem_layout):
@@ -469,26 +481,20 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             cta_layout_vmnk=self.cluster_layout_vmnk(),
             defer_sync=True,
         )
-        sched_pipeline = pipeline.PipelineAsync.create(
-            barrier_storage=storage.sched_mbar.data_ptr(),
-            num_stages=SCHED_STAGES,
+        unit_pipeline = pipeline.PipelineAsync.create(
+            barrier_storage=storage.unit_mbar.data_ptr(),
+            num_stages=UNIT_STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
             defer_sync=True,
         )
-        sched_slots = cute.make_tensor(
-            storage.sched_slots.data_ptr(), cute.make_layout((4, SCHED_STAGES))
+        unit_slots = cute.make_tensor(
+            storage.unit_slots.data_ptr(), cute.make_layout((4, UNIT_STAGES))
         )
         mailbox = self.mailbox(all_storage)
         if cutlass.const_expr(mailbox is not None):
-            # Full: one local arrive (the peer's expect-tx) + the leader's 4-byte st.async;
-            # empty (the leader's): one arrive per peer. Published to the cluster by the
-            # fence and the cluster barrier below.
-            if warp_idx == 0 and tidx == 0:
-                for i in cutlass.range_constexpr(MBOX_STAGES):
-                    cute.arch.mbarrier_init(mailbox[0] + i, 1)
-                    cute.arch.mbarrier_init(mailbox[1] + i, self.cluster_size - 1)
-            cute.arch.mbarrier_init_fence()
+            # Published to the cluster by the cluster barrier below.
+            mailbox.init_barriers(warp_idx == 0 and tidx == 0)
         pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
@@ -502,9 +508,9 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         if warp_group_idx == 0:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == WarpRole.TMA:
-                self.producer(
+                self.tma_loads(
                     tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB,
-                    ab_pipeline, sched_pipeline, sched_slots, ws, scales, smem_scales, mailbox,
+                    ab_pipeline, unit_pipeline, unit_slots, ws, scales, smem_scales, mailbox,
                 )
             elif cutlass.const_expr(not self.cfg.accumulate):
                 self.zero_empty_experts(ws, c_out, wgrad_ptrs, tidx - WARP_SIZE,
@@ -513,7 +519,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consumer(
                 tiled_mma, tma_atom_c, mC_coord, wgrad_ptrs, sA, sB, sC,
-                ab_pipeline, sched_pipeline, sched_slots, ws, tidx, warp_idx, warp_group_idx - 1,
+                ab_pipeline, unit_pipeline, unit_slots, ws, tidx, warp_idx, warp_group_idx - 1,
                 scales, smem_scales,
             )
 
@@ -549,31 +555,38 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         return storage
 
     def mailbox(self, storage):
-        """Clusters: (full barriers, empty barriers, slots) of the unit mailbox; else None."""
+        """Clusters: the unit mailbox (scheduler.ClusterMailbox) in `storage`; else None."""
         if cutlass.const_expr(self.cluster_size == 1):
             return None
         full = storage.mbox_mbar.data_ptr()
-        return full, full + MBOX_STAGES, storage.mbox_slots.data_ptr()
+        return ClusterMailbox(full, full + ClusterMailbox.STAGES, storage.mbox_slots.data_ptr(),
+                              self.cluster_size)
 
     def scale_buffers(self, storage):
         """The shared-memory scale buffers in `storage` (None: none)."""
         return None
 
     # ------------------------------------------------------------------------------------
+    def unit_scheduler(self, ws, first, grid, mailbox):
+        """The unit schedule of cfg.unit_schedule (kernels/scheduler.py), from unit `first`
+        (this CTA's or cluster's index) among `grid` CTAs (clusters)."""
+        if cutlass.const_expr(self.cfg.unit_schedule == SCHEDULE_BALANCED):
+            return BalancedUnits(self.cfg, ws, first, grid, mailbox)
+        return DynamicUnits(ws, first, grid, mailbox)
+
     @cute.jit
-    def producer(
+    def tma_loads(
         self, tma_atom_a, mA_coord, tma_atom_b, mB_coord, sA, sB,
-        ab_pipeline, sched_pipeline, sched_slots, ws, scales, smem_scales, mailbox=None,
+        ab_pipeline, unit_pipeline, unit_slots, ws, scales, smem_scales, mailbox=None,
     ):
+        """Warp TMA: takes units from the unit scheduler, publishes each to the consumer
+        groups (the unit ring) and loads its A and B K-blocks (and scales) into the A/B ring;
+        a cluster's CTAs walk the same units and multicast the shared operand."""
         cfg = self.cfg
         lane = cute.arch.lane_idx()
         ab_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stage)
-        sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCHED_STAGES)
-        # Units: the block's (cluster's) index first, then the atomic counter; a cluster's
-        # CTAs walk the same units, which its leader takes and hands to its peers
-        # (cluster_next_unit). The shared operands are multicast.
-        coord, unit, grid = self.cluster_coord()
-        seq = Int32(0)  # clusters: unit ids taken from the mailbox so far
+        unit_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, UNIT_STAGES)
+        coord, first, grid = self.cluster_coord()
         a_mask, b_mask = None, None
         a_part, b_part = (0, cute.make_layout(1)), (0, cute.make_layout(1))
         if cutlass.const_expr(self.cluster_size > 1):
@@ -588,31 +601,20 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         # Units are decoded one ahead: the next unit's counter atomic, its workspace reads and
         # its descriptors' acquire + prefetch overlap the current unit's loads, so the TMA
         # ring does not run dry at unit boundaries.
-        expert, tile_m, tile_n, begin, k_tiles = decode_unit(
-            cfg, cutlass.min(unit, cfg.num_units - 1), ws
+        expert, unit_m, unit_n, begin, k_tiles = decode_unit(
+            cfg, cutlass.min(first, cfg.num_units - 1), ws
         )
         self.acquire_descriptors(ws, expert)
         # Only the experts with tokens get units (ranks 0 .. live-1); warps ZERO.. zero the
         # others' outputs (zero_empty_experts), or there is nothing to add when accumulating.
         live_units = ws.live[0] * cfg.tiles_per_expert
-        # Static units (a balanced schedule decides per launch): each CTA of a cluster computes
-        # the same sequence, so there is nothing to hand off.
-        static = Int32(0)  # balanced: this launch's choice (dynamic is fixed)
-        if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_BALANCED):
-            static = self.counts_balanced(ws, grid)
+        units = self.unit_scheduler(ws, first, grid, mailbox)  # balanced: decided here
+        unit, walk = units.first_unit()
         while unit < live_units:
-            self.publish(sched_pipeline, sched_state, sched_slots, unit, expert, k_tiles, lane)
-            sched_state.advance()
-            nxt = Int32(0)
-            if cutlass.const_expr(cfg.unit_schedule == SCHEDULE_BALANCED):
-                if static != 0:
-                    nxt = unit + grid
-                else:
-                    nxt, seq = self.dynamic_next_unit(ws, mailbox, seq, grid, lane)
-            else:
-                nxt, seq = self.dynamic_next_unit(ws, mailbox, seq, grid, lane)
-            nxt = cute.arch.shuffle_sync(nxt, 0)
-            n_expert, n_tile_m, n_tile_n, n_begin, n_k_tiles = decode_unit(
+            self.publish_unit(unit_pipeline, unit_state, unit_slots, unit, expert, k_tiles, lane)
+            unit_state.advance()
+            nxt, _, walk = units.next_unit(unit, walk, lane)
+            n_expert, n_unit_m, n_unit_n, n_begin, n_k_tiles = decode_unit(
                 cfg, cutlass.min(nxt, cfg.num_units - 1), ws
             )
             if n_expert != expert:
@@ -624,19 +626,19 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                                             token_origin(begin, cfg.a_ragged_block), a_part)
             tBsB, tBgB = self.operand_tiles(tma_atom_b, mB_coord, sB, self.cta_n,
                                             token_origin(begin, cfg.b_ragged_block), b_part)
-            cta_m, cta_n = self.cta_tile(coord, tile_m, tile_n)
+            tile_m, tile_n = self.cta_tile(coord, unit_m, unit_n)
             unit_sf = None
             if cutlass.const_expr(scales is not None):
-                unit_sf = self.unit_scale_origin(ws, expert, cta_m, cta_n)
+                unit_sf = self.unit_scale_origin(ws, expert, tile_m, tile_n)
             for kt in cutlass.range(k_tiles, unroll=1):
                 ab_pipeline.producer_acquire(ab_state)
                 bar = ab_pipeline.producer_get_barrier(ab_state)
                 cute.copy(
-                    tma_atom_a, tAgA[(None, cta_m, kt)], tAsA[(None, ab_state.index)],
+                    tma_atom_a, tAgA[(None, tile_m, kt)], tAsA[(None, ab_state.index)],
                     tma_bar_ptr=bar, tma_desc_ptr=desc_a, mcast_mask=a_mask,
                 )
                 cute.copy(
-                    tma_atom_b, tBgB[(None, cta_n, kt)], tBsB[(None, ab_state.index)],
+                    tma_atom_b, tBgB[(None, tile_n, kt)], tBsB[(None, ab_state.index)],
                     tma_bar_ptr=bar, tma_desc_ptr=desc_b, mcast_mask=b_mask,
                 )
                 if cutlass.const_expr(scales is not None):
@@ -644,18 +646,13 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 ab_pipeline.producer_commit(ab_state)
                 ab_state.advance()
             unit = nxt
-            expert, tile_m, tile_n, begin, k_tiles = n_expert, n_tile_m, n_tile_n, n_begin, n_k_tiles
+            expert, unit_m, unit_n, begin, k_tiles = n_expert, n_unit_m, n_unit_n, n_begin, n_k_tiles
         # Tell the consumers there is no more work.
-        self.publish(sched_pipeline, sched_state, sched_slots, unit, Int32(-1), Int32(0), lane)
+        self.publish_unit(unit_pipeline, unit_state, unit_slots, unit, Int32(-1), Int32(0), lane)
         ab_pipeline.producer_tail(ab_state)
-        if cutlass.const_expr(self.cluster_size > 1):
-            # The leader stays until every peer has taken every unit id it sent (their
-            # arrives land in its shared memory), as producer_tail does for the stages; after
-            # a static launch of a balanced schedule it sent none (seq 0: the waits pass).
-            if self.is_cluster_leader() and lane == 0:
-                for i in cutlass.range_constexpr(MBOX_STAGES):
-                    cute.arch.mbarrier_wait(mailbox[1] + (seq + i) % MBOX_STAGES,
-                                            ((seq + i) // MBOX_STAGES + 1) % 2)
+        # Clusters: the leader stays until every peer has taken every unit it sent, as
+        # producer_tail does for the stages.
+        units.finish(walk, lane)
 
     @cute.jit
     def zero_empty_experts(self, ws, c_out, wgrad_ptrs, tid, zero_line):
@@ -699,62 +696,6 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             # The line must stay until the TMA unit has read it for every copy.
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-    def is_cluster_leader(self):
-        """Whether this CTA (rank 0 of its cluster) takes the cluster's units."""
-        return cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) == 0
-
-    @cute.jit
-    def dynamic_next_unit(self, ws, mailbox, seq, base, lane):
-        """(the next unit on lane 0, the mailbox sequence number after it) of the dynamic
-        schedule: the counter's next value + base (the grid: every CTA (cluster) started with
-        its index), through the leader on a cluster."""
-        nxt = Int32(0)
-        if cutlass.const_expr(self.cluster_size == 1):
-            if lane == 0:
-                nxt = cute.arch.atomic_add(ws.counter.iterator, Int32(1)) + base
-        else:
-            nxt = self.cluster_next_unit(ws, mailbox, seq, base, lane)
-            seq += 1
-        return nxt, seq
-
-    @cute.jit
-    def counts_balanced(self, ws, grid):
-        """Balanced schedule: 1 when this launch's counts let a static order run (the largest
-        count minus the smallest nonzero one, the most two CTAs' static shares can differ by
-        when units go longest expert first, is at most 1/BALANCED_SPREAD of one CTA's
-        (cluster's) share of the work), else 0. The prep work wrote both words."""
-        spread = Int64(ws.spread[0])
-        share = Int64(ws.tokens[0]) * self.cfg.tiles_per_expert
-        return Int32(spread * BALANCED_SPREAD * Int64(grid) <= share)
-
-    @cute.jit
-    def cluster_next_unit(self, ws, mailbox, seq, base, lane):
-        """The cluster's next unit (lane 0; the other lanes get 0), its `seq`-th from the
-        counter. The leader takes it (atomic add, + base: the clusters that started with their
-        index) and stores it into each peer's mailbox
-        slot with st.async, which completes the peer's full barrier; a peer waits for it and
-        acknowledges on the leader's empty barrier, which the leader waits on before reusing
-        the slot. Every CTA of the cluster therefore walks the same units, taken dynamically
-        like the 1x1 kernel's."""
-        full, empty, slots = mailbox
-        slot = seq % MBOX_STAGES
-        phase = (seq // MBOX_STAGES) % 2
-        nxt = Int32(0)
-        if lane == 0:
-            if self.is_cluster_leader():
-                cute.arch.mbarrier_wait(empty + slot, phase ^ 1)
-                nxt = cute.arch.atomic_add(ws.counter.iterator, Int32(1)) + base
-                for peer in cutlass.range_constexpr(1, self.cluster_size):
-                    cute.arch.store_async_dsmem(slots + 4 * slot, nxt, full + slot, peer)
-            else:
-                cute.arch.mbarrier_arrive_and_expect_tx(full + slot, 4)
-                cute.arch.mbarrier_wait(full + slot, phase)
-                nxt = (slots + 4 * slot).load()
-                # Cluster scope: the slot's read is ordered before the leader reuses it.
-                cute.arch.mbarrier_arrive(empty + slot, peer_cta_rank_in_cluster=0,
-                                          scope=nvvm.MemScopeKind.CLUSTER)
-        return nxt
-
     @cute.jit
     def operand_tiles(self, tma_atom, mX_coord, sX, rows: cutlass.Constexpr, k0, part):
         """TMA partitions of one operand's (rows x 64) K-blocks, from token coordinate k0.
@@ -776,15 +717,15 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             acquire_descriptor(ws, expert, slot)
 
     @cute.jit
-    def publish(self, sched_pipeline, sched_state, sched_slots, unit, expert, k_tiles, lane):
-        self.publish_words(sched_pipeline, sched_state, sched_slots, (unit, expert, k_tiles),
-                           lane)
+    def publish_unit(self, unit_pipeline, unit_state, unit_slots, unit, expert, k_tiles, lane):
+        """A unit's words for the consumer groups: (unit, expert, k_tiles)."""
+        publish_words(unit_pipeline, unit_state, unit_slots, (unit, expert, k_tiles), lane)
 
     @cute.jit
-    def take(self, sched_pipeline, sched_state, sched_slots):
+    def take_unit(self, unit_pipeline, unit_state, unit_slots):
         """Next published unit: (unit, expert, k_tiles); expert < 0 means no more work."""
-        words, sched_state = self.take_words(sched_pipeline, sched_state, sched_slots, 3)
-        return words[0], words[1], words[2], sched_state
+        words, unit_state = take_words(unit_pipeline, unit_state, unit_slots, 3)
+        return words[0], words[1], words[2], unit_state
 
     @cute.jit
     def skip(self, ab_read, ab_release, k_tiles):
@@ -797,28 +738,16 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
     @cute.jit
     def consumer(
         self, tiled_mma, tma_atom_c, mC_coord, wgrad_ptrs, sA, sB, sC,
-        ab_pipeline, sched_pipeline, sched_slots, ws, tidx, warp_idx, mma_group,
+        ab_pipeline, unit_pipeline, unit_slots, ws, tidx, warp_idx, mma_group,
         scales, smem_scales,
     ):
+        """Consumer warp group `mma_group` (0 or 1): per unit it takes, the mainloop into its
+        registers, then the store of the tile (store_unit). cooperative: both groups on each
+        unit; pingpong: every other unit each, the tensor cores (MMA_ORDER) and a shared set
+        of staging buffers (EPI_ORDER) passed from group to group; coop_split: the groups'
+        epilogues take turns (EPI_ORDER)."""
         cfg = self.cfg
-        # Thread index inside the tiled MMA: both groups (cooperative) or one (pingpong).
-        mma_tidx = tidx - WARP_GROUP_THREADS
-        epi_bar = pipeline.NamedBarrier(
-            barrier_id=int(Barrier.EPI), num_threads=self.num_mma_threads
-        )
-        store_warp = int(WarpRole.MMA)  # the first consumer warp issues the TMA stores
-        # Each consumer group runs an epilogue of its own: pingpong, or cooperative with a
-        # set of staging buffers per group (coop_split: each stores its 64 rows).
-        per_group = self.pingpong or self.coop_split
-        if cutlass.const_expr(self.pingpong):
-            mma_tidx = tidx % WARP_GROUP_THREADS
-        epi_tidx = mma_tidx
-        if cutlass.const_expr(per_group):
-            epi_tidx = tidx % WARP_GROUP_THREADS
-            epi_bar = pipeline.NamedBarrier(
-                barrier_id=int(Barrier.EPI) + mma_group, num_threads=WARP_GROUP_THREADS
-            )
-            store_warp = int(WarpRole.MMA) + 4 * mma_group
+        mma_tidx, epi_tidx, epi_bar, store_warp = self.consumer_threads(tidx, mma_group)
         thr_mma = tiled_mma.get_slice(mma_tidx)
         tile_mn = cute.slice_(self.tile_shape_mnk, (None, None, 0))
 
@@ -828,31 +757,10 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         tCrB = tiled_mma.make_fragment_B(tCsB)
         acc_shape = thr_mma.partition_shape_C(tile_mn)
         acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-
-        # Epilogue partitions (register -> shared memory with stmatrix).
-        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
-            self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
+        subtile_store, tRS_rAcc, tRS_rSub = self.epilogue_setup(
+            tiled_mma, tma_atom_c, sC, acc, epi_tidx, epi_bar
         )
-        copy_atom_c = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
-        )
-        epi_mma = tiled_mma
-        if cutlass.const_expr(self.coop_split):
-            epi_mma = self.make_tiled_mma(groups=1)
-        tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, epi_mma)
-        tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
-        thr_copy_r2s = tiled_copy_r2s.get_slice(epi_tidx)
-        tRS_sD = thr_copy_r2s.partition_D(sC)
-        tRS_rAcc = tiled_copy_r2s.retile(acc)
-        rD_shape = cute.shape(thr_copy_r2s.partition_S(sC))
-        tRS_rD = cute.make_rmem_tensor(rD_shape[:3], self.acc_dtype)
-        tRS_rD_out = cute.make_rmem_tensor(rD_shape[:3], self.c_dtype)
-        store_pipeline = pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stage,
-            producer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, WARP_GROUP_THREADS if per_group else self.num_mma_threads
-            ),
-        )
+        store_pipeline = subtile_store.store_pipeline
 
         if cutlass.const_expr(cfg.output_mode == "dense"):
             gC = cute.local_tile(mC_coord, (self.cta_m, self.cta_n, 1), (None, None, None))
@@ -861,13 +769,9 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
 
         ab_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
         ab_release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stage)
-        sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCHED_STAGES)
-        # Pingpong hand-offs: both consumer groups meet at each (one arrives, one waits).
-        both = self.num_mma_threads
-        mma_order_self = pipeline.NamedBarrier(int(Barrier.MMA_ORDER) + mma_group, both)
-        mma_order_peer = pipeline.NamedBarrier(int(Barrier.MMA_ORDER) + 1 - mma_group, both)
-        epi_order_self = pipeline.NamedBarrier(int(Barrier.EPI_ORDER) + mma_group, both)
-        epi_order_peer = pipeline.NamedBarrier(int(Barrier.EPI_ORDER) + 1 - mma_group, both)
+        unit_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, UNIT_STAGES)
+        orders = self.group_orders(mma_group)
+        mma_order_self, mma_order_peer, epi_order_self, epi_order_peer = orders
         is_store_warp = warp_idx == store_warp
         # Epilogue staging: one set both groups take in turn (EPI_ORDER, drained at each
         # hand-off), or a set per group (epi_split: no hand-off; the epilogues overlap).
@@ -883,25 +787,9 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         # A/B stages a group is ahead by stay held until the other group releases them.
         epi_turns = epi_ordered or self.coop_split
 
-        unit, expert, k_tiles, sched_state = self.take(
-            sched_pipeline, sched_state, sched_slots
+        ab_read, ab_release, unit, expert, k_tiles, unit_state = self.first_group_unit(
+            mma_group, orders, ab_read, ab_release, unit_pipeline, unit_state, unit_slots
         )
-        if cutlass.const_expr(self.coop_split):
-            if mma_group == 0:
-                epi_order_self.arrive()  # group 0 stores first
-        if cutlass.const_expr(self.pingpong):
-            if mma_group == 0:
-                # Group 0 goes first: give it the start signal for the ordered sections.
-                mma_order_self.arrive()
-                if cutlass.const_expr(epi_ordered):
-                    epi_order_self.arrive()
-            else:
-                # Group 1 starts with the second unit: skip the first one's stages.
-                if expert >= 0:
-                    ab_read, ab_release = self.skip(ab_read, ab_release, k_tiles)
-                    unit, expert, k_tiles, sched_state = self.take(
-                        sched_pipeline, sched_state, sched_slots
-                    )
 
         coord, _, _ = self.cluster_coord()
         n_done = Int32(0)
@@ -911,59 +799,20 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             )
             if cutlass.const_expr(self.pingpong):
                 mma_order_self.arrive_and_wait()
-            if cutlass.const_expr(scales is None):
-                ab_read, ab_release = self.mainloop(
-                    tiled_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release, k_tiles
-                )
-                # Pingpong: the peer group may issue its first WGMMAs while this unit's last
-                # batch is still in the tensor pipe (as CUTLASS's pingpong kernel does), so
-                # the tensor cores do not drain at each hand-off; then wait for that batch.
-                if cutlass.const_expr(self.pingpong):
-                    mma_order_peer.arrive()
-                ab_release = self.mainloop_tail(ab_pipeline, ab_release, k_tiles)
-            else:
-                ab_read, ab_release = self.scaled_mainloop(
-                    tiled_mma, thr_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release,
-                    k_tiles, smem_scales, tile_m, tile_n,
-                )
-                if cutlass.const_expr(self.pingpong):
-                    mma_order_peer.arrive()
+            ab_read, ab_release = self.unit_mainloop(
+                tiled_mma, thr_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release, k_tiles,
+                smem_scales, tile_m, tile_n, mma_order_peer, scales,
+            )
             if cutlass.const_expr(scales is not None):
                 self.scale_output(acc, thr_mma, scales, ws, expert, tile_m, tile_n, k_tiles)
 
-            store = True
-            if cutlass.const_expr(cfg.accumulate):
-                store = k_tiles > 0  # adding zeros changes nothing
-            if cutlass.const_expr(self.cluster_size > 1):
-                # A CTA whose part of the cluster's unit lies past the output stores nothing:
-                # where the output has a single CTA tile along the pair, that tile mode has
-                # one element and its coordinate does not move past the output (it aliases
-                # the first tile: stored twice, or added twice when accumulating).
-                store = store and tile_m < self.cta_tiles[0] and tile_n < self.cta_tiles[1]
-            if cutlass.const_expr(cfg.output_mode == "discrete"):
-                store = store and output_ptr_ok(wgrad_ptrs, expert)
+            store = self.unit_stored(wgrad_ptrs, expert, tile_m, tile_n, k_tiles)
             if cutlass.const_expr(epi_turns):
                 epi_order_self.arrive_and_wait()
-            if store:
-                if cutlass.const_expr(cfg.output_mode == "dense"):
-                    gC_tile = self.group_rows(gC[(None, None, 0, tile_m, tile_n, expert)],
-                                              mma_group)
-                    self.epilogue(
-                        tma_atom_c, gC_tile, None, acc, tiled_copy_r2s, tRS_rAcc, tRS_rD,
-                        tRS_rD_out, tRS_sD, sC, store_pipeline, epi_bar, is_store_warp, n_done,
-                        epi_base,
-                    )
-                else:
-                    gC_tile = self.group_rows(gC[(None, None, tile_m, tile_n)], mma_group)
-                    if is_store_warp:
-                        cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_C))
-                    desc_c = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_C))
-                    self.epilogue(
-                        tma_atom_c, gC_tile, desc_c, acc, tiled_copy_r2s, tRS_rAcc, tRS_rD,
-                        tRS_rD_out, tRS_sD, sC, store_pipeline, epi_bar, is_store_warp, n_done,
-                        epi_base,
-                    )
-                n_done += 1
+            n_done = self.store_unit(
+                subtile_store, store, gC, ws, expert, tile_m, tile_n, mma_group, tRS_rAcc,
+                tRS_rSub, sC, is_store_warp, n_done, epi_base,
+            )
             if cutlass.const_expr(epi_ordered):
                 # The peer group reuses the same staging buffers: let our stores drain first.
                 if is_store_warp:
@@ -971,19 +820,182 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             if cutlass.const_expr(epi_turns):
                 epi_order_peer.arrive()
 
-            unit, expert, k_tiles, sched_state = self.take(
-                sched_pipeline, sched_state, sched_slots
+            unit, expert, k_tiles, unit_state = self.take_unit(
+                unit_pipeline, unit_state, unit_slots
             )
             if cutlass.const_expr(self.pingpong):
-                if expert >= 0:
-                    # Skip the peer group's unit.
-                    ab_read, ab_release = self.skip(ab_read, ab_release, k_tiles)
-                    unit, expert, k_tiles, sched_state = self.take(
-                        sched_pipeline, sched_state, sched_slots
-                    )
+                # Skip the peer group's unit.
+                ab_read, ab_release, unit, expert, k_tiles, unit_state = self.skip_peer_unit(
+                    ab_read, ab_release, unit, expert, k_tiles, unit_pipeline, unit_state,
+                    unit_slots,
+                )
 
         if is_store_warp:
             store_pipeline.producer_tail()
+
+    @cute.jit
+    def consumer_threads(self, tidx, mma_group):
+        """A consumer thread's (index in the tiled MMA, index in the epilogue's copy, the
+        epilogue's barrier, the warp that issues its TMA stores). Each consumer group runs an
+        epilogue of its own with pingpong, or cooperative with a set of staging buffers per
+        group (coop_split: each stores its 64 rows); else both groups share one."""
+        # Thread index inside the tiled MMA: both groups (cooperative) or one (pingpong).
+        mma_tidx = tidx - WARP_GROUP_THREADS
+        epi_bar = pipeline.NamedBarrier(
+            barrier_id=int(Barrier.EPI), num_threads=self.num_mma_threads
+        )
+        store_warp = int(WarpRole.MMA)  # the first consumer warp issues the TMA stores
+        if cutlass.const_expr(self.pingpong):
+            mma_tidx = tidx % WARP_GROUP_THREADS
+        epi_tidx = mma_tidx
+        if cutlass.const_expr(self.pingpong or self.coop_split):
+            epi_tidx = tidx % WARP_GROUP_THREADS
+            epi_bar = pipeline.NamedBarrier(
+                barrier_id=int(Barrier.EPI) + mma_group, num_threads=WARP_GROUP_THREADS
+            )
+            store_warp = int(WarpRole.MMA) + 4 * mma_group
+        return mma_tidx, epi_tidx, epi_bar, store_warp
+
+    @cute.jit
+    def epilogue_setup(self, tiled_mma, tma_atom_c, sC, acc, epi_tidx, epi_bar):
+        """The consumer's epilogue (register -> shared memory with stmatrix): (the
+        SubtileStore, the accumulator retiled for its copy, one sub-tile's FP32 registers)."""
+        per_group = self.pingpong or self.coop_split
+        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
+            self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
+        )
+        copy_atom_c = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
+        )
+        epi_mma = tiled_mma
+        if cutlass.const_expr(self.coop_split):
+            epi_mma = self.make_tiled_mma(groups=1)
+        tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, epi_mma)
+        tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
+        thr_copy_r2s = tiled_copy_r2s.get_slice(epi_tidx)
+        tRS_sC = thr_copy_r2s.partition_D(sC)
+        tRS_rAcc = tiled_copy_r2s.retile(acc)
+        sub_shape = cute.shape(thr_copy_r2s.partition_S(sC))
+        tRS_rSub = cute.make_rmem_tensor(sub_shape[:3], self.acc_dtype)  # one sub-tile, FP32
+        tRS_rC = cute.make_rmem_tensor(sub_shape[:3], self.c_dtype)
+        store_pipeline = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stage,
+            producer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, WARP_GROUP_THREADS if per_group else self.num_mma_threads
+            ),
+        )
+        subtile_store = SubtileStore(self.c_dtype, tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c,
+                                     self.epi_stage, store_pipeline, epi_bar)
+        return subtile_store, tRS_rAcc, tRS_rSub
+
+    def group_orders(self, mma_group):
+        """Pingpong and coop_split hand-offs between the consumer groups, (MMA_ORDER, its
+        peer's, EPI_ORDER, its peer's) of group `mma_group`: both groups meet at each (one
+        arrives, one waits)."""
+        both = self.num_mma_threads
+        return (pipeline.NamedBarrier(int(Barrier.MMA_ORDER) + mma_group, both),
+                pipeline.NamedBarrier(int(Barrier.MMA_ORDER) + 1 - mma_group, both),
+                pipeline.NamedBarrier(int(Barrier.EPI_ORDER) + mma_group, both),
+                pipeline.NamedBarrier(int(Barrier.EPI_ORDER) + 1 - mma_group, both))
+
+    @cute.jit
+    def first_group_unit(self, mma_group, orders, ab_read, ab_release, unit_pipeline,
+                         unit_state, unit_slots):
+        """A consumer group's first unit and the start signals of the hand-offs: coop_split,
+        group 0 stores first; pingpong, group 0 takes the first unit and the first turns,
+        group 1 the second unit (it skips the first one's stages)."""
+        mma_order_self, _, epi_order_self, _ = orders
+        unit, expert, k_tiles, unit_state = self.take_unit(
+            unit_pipeline, unit_state, unit_slots
+        )
+        if cutlass.const_expr(self.coop_split):
+            if mma_group == 0:
+                epi_order_self.arrive()
+        if cutlass.const_expr(self.pingpong):
+            if mma_group == 0:
+                mma_order_self.arrive()
+                if cutlass.const_expr(not self.epi_split):
+                    epi_order_self.arrive()
+            else:
+                ab_read, ab_release, unit, expert, k_tiles, unit_state = self.skip_peer_unit(
+                    ab_read, ab_release, unit, expert, k_tiles, unit_pipeline, unit_state,
+                    unit_slots,
+                )
+        return ab_read, ab_release, unit, expert, k_tiles, unit_state
+
+    @cute.jit
+    def skip_peer_unit(self, ab_read, ab_release, unit, expert, k_tiles, unit_pipeline,
+                       unit_state, unit_slots):
+        """Pingpong: unless the unit just taken ends the work (expert < 0), step over its K
+        blocks (the peer group's unit) and take the next one."""
+        if expert >= 0:
+            ab_read, ab_release = self.skip(ab_read, ab_release, k_tiles)
+            unit, expert, k_tiles, unit_state = self.take_unit(
+                unit_pipeline, unit_state, unit_slots
+            )
+        return ab_read, ab_release, unit, expert, k_tiles, unit_state
+
+    @cute.jit
+    def unit_mainloop(self, tiled_mma, thr_mma, acc, tCrA, tCrB, ab_pipeline, ab_read,
+                      ab_release, k_tiles, smem_scales, tile_m, tile_n, mma_order_peer, scales):
+        """The unit's accumulator (BF16: mainloop; FP8: the scaled kernel's scaled_mainloop);
+        pingpong: the tensor cores passed to the peer group once the last batch is issued."""
+        if cutlass.const_expr(scales is None):
+            ab_read, ab_release = self.mainloop(
+                tiled_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release, k_tiles
+            )
+            # Pingpong: the peer group may issue its first WGMMAs while this unit's last
+            # batch is still in the tensor pipe (as CUTLASS's pingpong kernel does), so
+            # the tensor cores do not drain at each hand-off; then wait for that batch.
+            if cutlass.const_expr(self.pingpong):
+                mma_order_peer.arrive()
+            ab_release = self.mainloop_tail(ab_pipeline, ab_release, k_tiles)
+        else:
+            ab_read, ab_release = self.scaled_mainloop(
+                tiled_mma, thr_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release,
+                k_tiles, smem_scales, tile_m, tile_n,
+            )
+            if cutlass.const_expr(self.pingpong):
+                mma_order_peer.arrive()
+        return ab_read, ab_release
+
+    @cute.jit
+    def unit_stored(self, wgrad_ptrs, expert, tile_m, tile_n, k_tiles):
+        """Whether this CTA stores its tile (tile_m, tile_n) of the unit."""
+        cfg = self.cfg
+        store = True
+        if cutlass.const_expr(cfg.accumulate):
+            store = k_tiles > 0  # adding zeros changes nothing
+        if cutlass.const_expr(self.cluster_size > 1):
+            # A CTA whose part of the cluster's unit lies past the output stores nothing:
+            # where the output has a single CTA tile along the pair, that tile mode has
+            # one element and its coordinate does not move past the output (it aliases
+            # the first tile: stored twice, or added twice when accumulating).
+            store = store and tile_m < self.cta_tiles[0] and tile_n < self.cta_tiles[1]
+        if cutlass.const_expr(cfg.output_mode == "discrete"):
+            store = store and output_ptr_ok(wgrad_ptrs, expert)
+        return store
+
+    @cute.jit
+    def store_unit(self, subtile_store, store, gC, ws, expert, tile_m, tile_n, mma_group,
+                   tRS_rAcc, tRS_rSub, sC, is_store_warp, n_done, epi_base):
+        """When `store`: this group's part of the tile to the dense output or the expert's
+        (its descriptor acquired by the store warp). Returns the tiles stored so far."""
+        if store:
+            if cutlass.const_expr(self.cfg.output_mode == "dense"):
+                gC_tile = self.group_rows(gC[(None, None, 0, tile_m, tile_n, expert)],
+                                          mma_group)
+                self.store_tile(subtile_store, gC_tile, None, tRS_rAcc, tRS_rSub, sC,
+                                is_store_warp, n_done, epi_base)
+            else:
+                gC_tile = self.group_rows(gC[(None, None, tile_m, tile_n)], mma_group)
+                if is_store_warp:
+                    cpasync.fence_tma_desc_acquire(ws.desc_ptr(expert, DESC_C))
+                desc_c = tma_desc_ptr_for_copy(ws.desc_ptr(expert, DESC_C))
+                self.store_tile(subtile_store, gC_tile, desc_c, tRS_rAcc, tRS_rSub, sC,
+                                is_store_warp, n_done, epi_base)
+            n_done += 1
+        return n_done
 
     def group_rows(self, gC_tile, mma_group):
         """The part of a CTA's output tile that a consumer group's epilogue stores: all of
@@ -1027,34 +1039,40 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         return ab_release
 
     @cute.jit
-    def epilogue(
-        self, tma_atom_c, gC_tile, desc_c, acc, tiled_copy_r2s, tRS_rAcc, tRS_rD, tRS_rD_out,
-        tRS_sD, sC, store_pipeline, epi_bar, is_store_warp, n_done, epi_base,
-    ):
-        """Store acc through the staging buffers epi_base .. epi_base + epi_stage - 1 with the
-        store atom ``tma_atom_c``."""
+    def store_tile(self, subtile_store, gC_tile, desc_c, tRS_rAcc, tRS_rSub, sC, is_store_warp,
+                   n_done, epi_base):
+        """Store the accumulator (`tRS_rAcc`, registers) to `gC_tile` through the staging
+        buffers epi_base .. epi_base + epi_stage - 1 (epilogue.SubtileStore)."""
         gC_epi = cute.zipped_divide(gC_tile, self.epi_tile)
-        bSG_sD, bSG_gD = cpasync.tma_partition(
-            tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
+        bSG_sC, bSG_gC = cpasync.tma_partition(
+            subtile_store.tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi
         )
-        epi_tiles = cute.size(gC_epi, mode=[1])
+        subtiles = cute.size(gC_epi, mode=[1])
         epi_shape = gC_epi.shape[1]
         epi_layout = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
-        size_rD = cute.size(tRS_rD)
-        first_buffer = n_done * epi_tiles
-        for epi_idx in cutlass.range_constexpr(epi_tiles):
-            for v in cutlass.range_constexpr(size_rD):
-                tRS_rD[v] = tRS_rAcc[epi_idx * size_rD + v]
-            tRS_rD_out.store(tRS_rD.load().to(self.c_dtype))
-            buf = epi_base + (first_buffer + epi_idx) % self.epi_stage
-            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-            # stmatrix writes go through the generic proxy; TMA reads through the async one.
-            cute.arch.fence_proxy("async.shared", space="cta")
-            epi_bar.arrive_and_wait()
-            if is_store_warp:
-                gcoord = epi_layout.get_hier_coord(epi_idx)
-                self.store_subtile(
-                    tma_atom_c, bSG_sD[(None, buf)], bSG_gD[(None, gcoord)], desc_c,
-                    store_pipeline,
-                )
-            epi_bar.arrive_and_wait()
+        subtile_store.store_tile(
+            RegisterAccumulator(tRS_rAcc, tRS_rSub, bSG_gC, epi_layout), bSG_sC, subtiles, True,
+            n_done * subtiles, epi_base, desc_c, is_store_warp,
+        )
+
+
+class RegisterAccumulator(LoopInvariant):
+    """The epilogue's view of a WGMMA accumulator (epilogue.SubtileStore): registers
+    `tRS_rAcc` (retiled for the register -> shared copy), sub-tile i the i-th run of
+    size(tRS_rSub) values, copied into `tRS_rSub`; sub-tile i of the output tile is
+    `bSG_gC` at `epi_layout`'s i-th coordinate (row-major over the sub-tiles)."""
+
+    def __init__(self, tRS_rAcc, tRS_rSub, bSG_gC, epi_layout):
+        self.tRS_rAcc, self.tRS_rSub, self.bSG_gC, self.epi_layout = (
+            tRS_rAcc, tRS_rSub, bSG_gC, epi_layout)
+
+    @cute.jit
+    def load(self, sub: cutlass.Constexpr):
+        size = cute.size(self.tRS_rSub)
+        for v in cutlass.range_constexpr(size):
+            self.tRS_rSub[v] = self.tRS_rAcc[sub * size + v]
+        return self.tRS_rSub.load(), sub
+
+    @cute.jit
+    def target(self, position: cutlass.Constexpr):
+        return self.bSG_gC[(None, self.epi_layout.get_hier_coord(position))]

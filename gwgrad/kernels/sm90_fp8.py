@@ -1,16 +1,18 @@
 """Hopper (SM90) FP8 grouped weight-gradient GEMM with scales (gwgrad/scales.py's recipes).
 
 Everything but the mainloop and the scales is the BF16 kernel's (kernels/sm90_bf16.py, which
-this class extends through its hooks): the unit schedule, the per-expert TMA descriptors, the
-offsets verdict and skip, the producer warp, both consumer schedules and the epilogue store.
+this class extends through its hooks, its stage bytes through scale_stage_bytes): the unit
+schedule (kernels/scheduler.py), the prep work (kernels/prep.py), the offsets verdict and
+skip, the TMA warp, both consumer schedules and the epilogue (kernels/epilogue.py).
 
 Operands: FP8 E4M3 / E5M2 (A and B may differ), both K-major (token-contiguous): Hopper's FP8
 WGMMA reads K-major shared memory only. K blocks are 128 tokens (128-byte rows, 128B swizzle),
 four WGMMA instructions of K=32 each.
 
-Work split, warp roles, pipelines: those of the BF16 kernel (producer warp group 0, consumer
-warp groups 1-2, cooperative 128xN or pingpong 64xN tiles). The producer also loads each
-stage's scales with TMA on the stage's barrier (transaction bytes include them):
+Work split, warp roles, pipelines: those of the BF16 kernel (warp group 0: the TMA warp and
+the zero warps; consumer warp groups 1-2, cooperative 128xN or pingpong 64xN tiles). The TMA
+warp also loads each stage's scales with TMA on the stage's barrier (transaction bytes
+include them):
   block_1x128: the m-tile's row of A scales and the n-tile's row of B scales for the stage's
                128 tokens (FP32; row sf_base[e] + k-block, sf_base from the prep kernel's
                prefix sum of ceil(count/128));
@@ -45,8 +47,10 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from ..kernels.tiling import SM90_FP8_TILES
 from ..scales import ATOM_BYTES, ATOM_ROWS, BLOCK_1X128, BLOCKED, PER_EXPERT_CHANNEL
-from .common import ProblemConfig, ScaledEntryPoints, Workspace, ceil_div, scale_columns
-from .sm90_bf16 import SCHED_STAGES, Sm90GroupedWgrad
+from .config import ProblemConfig, Workspace, ceil_div
+from .entry import ScaledEntryPoints
+from .prep import scale_columns
+from .sm90_bf16 import Sm90GroupedWgrad
 
 FP8_TILE_K = 128
 
@@ -260,7 +264,7 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
             sSFB = storage.sSFB.get_tensor(cute.make_layout((words_b, 1, stages)))
         return sSFA, sSFB
 
-    # -- producer ------------------------------------------------------------------------
+    # -- TMA warp ------------------------------------------------------------------------
     @cute.jit
     def unit_scale_origin(self, ws, expert, tile_m, tile_n):
         """Per unit: where its scales start (the coordinates load_scales adds k-blocks to)."""

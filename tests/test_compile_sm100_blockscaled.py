@@ -365,3 +365,30 @@ def test_mixed_fp4_and_fp8_is_rejected_naming_b_tensor():
     s = dataclasses.replace(bs_spec("sm_100a", "mxfp4"), b_dtype=E4M3)
     with pytest.raises(ValueError, match="^b_tensor: "):
         finalize_spec(s)
+
+
+def mma_region(body: str) -> str:
+    """The MMA warp's loop: from its last named barrier before the first tcgen05.cp to its last
+    commit."""
+    cp = body.index("tcgen05.cp")
+    return body[body.rindex("bar.sync \t2, 160;", 0, cp):body.rindex("tcgen05.commit")]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_every_mma_step_switch_drops_the_step_skip(fmt, monkeypatch):
+    """The tests-only switch (BlockScaledSm100Backend.EVERY_MMA_STEP) issues the four MMA steps
+    of a K block unconditionally: its MMA loop has the same MMAs and none of the per-step
+    branches the default takes around them (a step starting past the expert's last token), so
+    a GPU test with it sees the per-expert TMA bounds alone."""
+    from gwgrad.backends.blockscaled_sm100 import BlockScaledSm100Backend
+
+    default = mma_region(gemm_body(compile_ptx(bs_spec("sm_100a", fmt, tile=(256, 256),
+                                                       cluster=(2, 1)))))
+    monkeypatch.setattr(BlockScaledSm100Backend, "EVERY_MMA_STEP", True)
+    every = mma_region(gemm_body(compile_ptx(bs_spec("sm_100a", fmt, tile=(256, 256),
+                                                     cluster=(2, 1)))))
+    mmas = [len(re.findall(r"tcgen05\.mma\.", r)) for r in (default, every)]
+    branches = [len(re.findall(r"@!?%p\d+ bra", r)) for r in (default, every)]
+    assert mmas[0] == mmas[1] >= 4, mmas
+    assert branches[0] - branches[1] >= 4, branches

@@ -434,6 +434,31 @@ def test_many_units(seed, fmt):
              tiling=((128, 256), (2, 1)), mode="discrete")
 
 
+# --- the per-expert TMA bounds on their own ----------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("order", ["tensor2d", "tensor_ragged"])
+def test_every_mma_step_sees_only_the_experts_tokens(seed, fmt, order, monkeypatch):
+    """With the tests-only switch (BlockScaledSm100Backend.EVERY_MMA_STEP) the MMA warp issues
+    all four steps of an expert's last K block, also those past its last token: only the
+    per-expert TMA bounds (zero fill) then keep the next expert's tokens out of the sum. Every
+    count here is a whole number of MMA steps (32 tokens for FP8, 64 for FP4) but not of K
+    blocks, and experts sit back to back, so a bound one step too long is a wrong result."""
+    from gwgrad import plan
+    from gwgrad.backends.blockscaled_sm100 import BlockScaledSm100Backend
+
+    step = 32 if not FORMATS[fmt].fp4 else 64
+    counts = [step, 3 * step, 0, 5 * step, 2 * step, 7 * step]
+    monkeypatch.setattr(BlockScaledSm100Backend, "EVERY_MMA_STEP", True)
+    plan.clear_cache()
+    try:
+        run_case(seed, fmt, counts, order=order, out_dtype=torch.float32)
+        run_case(seed, fmt, counts, order=order, out_dtype=torch.bfloat16, mode="discrete",
+                 tiling=((128, 256), (1, 1)))
+    finally:
+        plan.clear_cache()
+
+
 # --- padding scale bytes never reach an MMA -----------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4"])

@@ -44,6 +44,11 @@ class BlockScaledSm100Backend(_cutedsl.CuteDslBackend):
         return Sm100BlockScaledGroupedWgrad.can_implement(self.config(spec),
                                                           tuple(spec.mma_tiler_mn))
 
+    #: Tests only (tests/test_sm100_blockscaled_gpu.py, set by monkeypatch with the plan
+    #: caches cleared): kernels issue every MMA step of a K block (ProblemConfig.every_mma_step),
+    #: compiled and cached under keys of their own.
+    EVERY_MMA_STEP = False
+
     def config(self, spec: StaticSpec):
         from ..kernels.sm100_blockscaled import TILE_K, operand_family
 
@@ -51,7 +56,12 @@ class BlockScaledSm100Backend(_cutedsl.CuteDslBackend):
         cfg = _cutedsl.problem_config(spec, "sm100", unit_tile_m=unit_m)
         return dataclasses.replace(cfg, tile_k=TILE_K[operand_family(cfg.ab_dtype)],
                                    sf_descriptors=True,
-                                   sf_dtype=spec.sf_dtype.value if spec.sf_dtype else "")
+                                   sf_dtype=spec.sf_dtype.value if spec.sf_dtype else "",
+                                   every_mma_step=self.EVERY_MMA_STEP)
+
+    def cache_key(self, spec: StaticSpec):
+        key = super().cache_key(spec)
+        return key + ("every_mma_step",) if self.EVERY_MMA_STEP else key
 
     def make_kernel(self, spec: StaticSpec):
         from ..kernels.sm100_blockscaled import Sm100BlockScaledGroupedWgrad

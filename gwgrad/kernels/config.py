@@ -123,6 +123,11 @@ class ProblemConfig:
     # How the producer takes units (tiling.UNIT_SCHEDULES: 1 dynamic, 3 balanced; 3 in the
     # SM90 BF16 kernel only).
     unit_schedule: int = 1
+    # Tests only (backends/blockscaled_sm100.py EVERY_MMA_STEP, never a spec's): the SM100
+    # block-scaled MMA warp issues every K step of an expert's last K block, not only those
+    # that start inside the expert, so that the per-expert TMA bounds alone (zero fill past
+    # the expert's last token) keep another expert's tokens out of its sum.
+    every_mma_step: bool = False
 
     # -- scales ------------------------------------------------------------------------
     @property

@@ -560,7 +560,10 @@ class Sm100BlockScaledGroupedWgrad(ScaledEntryPoints, Sm100GroupedWgrad):
         step_tokens = cfg.tile_k // num_steps
         first = k_tile * cfg.tile_k
         for step in cutlass.range_constexpr(num_steps):
-            if first + step * step_tokens < tokens:
+            issue = first + step * step_tokens < tokens
+            if cutlass.const_expr(cfg.every_mma_step):
+                issue = True  # tests only (ProblemConfig.every_mma_step)
+            if issue:
                 tiled_mma.set(tcgen05.Field.ACCUMULATE, first + step > 0)
                 tiled_mma.set(tcgen05.Field.SFA, tCtSFA[(None, None, step)].iterator)
                 tiled_mma.set(tcgen05.Field.SFB, tCtSFB[(None, None, step)].iterator)

@@ -766,5 +766,8 @@ def test_a_warm_process_never_imports_the_dsl(tmp_path):
     assert cold["dsl_compiles"] == cold["cache"]["compiles"], cold
     out = json.loads(run_child(WARM_CHILD, tmp_path).strip().splitlines()[-1])
     assert out["cutlass"] is False and out["cache"]["compiles"] == 0, out
-    assert out["dsl_compiles"] == 0 and out["cache"]["disk_hits"] >= 3, out
+    # Every kernel the cold process compiled (the wrapper and the adapter share one GEMM)
+    # comes from the disk here.
+    assert out["dsl_compiles"] == 0, out
+    assert out["cache"]["disk_hits"] == cold["cache"]["compiles"], (cold, out)
     assert out["err"] < 1e-5 and out["quantize_equal"], out

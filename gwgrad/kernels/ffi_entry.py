@@ -26,15 +26,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
+from .entry import _aligned
+
 #: int32 words of the status block: the record [0..7], the host record's address [8..9].
 STATUS_WORDS = 16
 _RECORD_WORDS = 8
 _CODE, _MULTIPLE = 0, 5
 _ADDRESS_LOW, _ADDRESS_HIGH = 8, 9
-
-
-def _aligned(ptr: cute.Pointer, dtype, align: int) -> cute.Pointer:
-    return cute.make_ptr(dtype, ptr.toint(), cute.AddressSpace.gmem, assumed_align=align)
 
 
 class GemmFfiEntry:

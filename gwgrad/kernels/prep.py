@@ -363,7 +363,7 @@ def check_offsets(
     first_not_multiple = cute.arch.warp_redux_sync(first_not_multiple, "min")
     # The host check's order (gwgrad/offsets.find_problem), so both report the same problem.
     # Branch-free (0/1 flags): an scf.if that yields constants fails the DSL's pass pipeline
-    # for the SM100 prep kernel traced through call_tensors (nvidia-cutlass-dsl 4.8.1).
+    # for the SM100 prep kernel traced through a tensor entry (nvidia-cutlass-dsl 4.8.1).
     negative = Int32(first_negative < e)
     last_wrong = Int32(offsets[e - 1] != tokens_sum) * (1 - negative)
     not_multiple = Int32(first_not_multiple < e) * (1 - negative) * (1 - last_wrong)

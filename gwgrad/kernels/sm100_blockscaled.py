@@ -25,7 +25,8 @@ hooks. Where it differs, after the CuTe DSL example dense_blockscaled_gemm_persi
                block's padding scale columns never reach an MMA; counts are multiples of 32
                (MXFP8) and 64 (FP4) (gwgrad/offsets.py), so every issued step lies wholly
                inside the expert. The token count comes in the unit words (a sixth word the
-               scheduler warp decodes): the MMA warp reads no global memory per unit.
+               scheduler warp decodes): the MMA warp reads no global memory per unit. Tests
+               issue every step (cfg.every_mma_step) to see the per-expert TMA bounds alone.
   TMEM         512 columns (TmemPlan): two accumulator buffers, then the SFA and SFB columns
                of one K block. With tile_n = 256 two whole buffers leave no room for the
                scale factors, so the buffers overlap on the scale factors' column count, as in

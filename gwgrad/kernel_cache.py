@@ -332,14 +332,20 @@ def _load_entry(directory: Path, key: str,
     return kernel
 
 
-def _open_entry(directory: Path, key: str, signature: Tuple[str, ...]) -> "KernelFunction":
-    """Check an entry's metadata and binary, load it; raise _BadEntry saying what is wrong."""
+def _read_meta(directory: Path, key: str) -> Dict[str, Any]:
+    """An entry's JSON metadata, or _BadEntry saying why it cannot be read."""
     try:
         meta = json.loads((directory / f"{key}.json").read_text())
     except (OSError, ValueError) as exc:
         raise _BadEntry(f"unreadable metadata: {exc}") from exc
     if not isinstance(meta, dict):
         raise _BadEntry("metadata is not an object")
+    return meta
+
+
+def _open_entry(directory: Path, key: str, signature: Tuple[str, ...]) -> "KernelFunction":
+    """Check an entry's metadata and binary, load it; raise _BadEntry saying what is wrong."""
+    meta = _read_meta(directory, key)
     expected = {"format": FORMAT, "key": key, "signature": list(signature),
                 "dsl_version": dsl_version(), "prefix": _prefix(key)}
     for name, value in expected.items():
@@ -589,12 +595,7 @@ def _store_module(key: str, meta: Dict[str, Any], data: bytes) -> XlaModule:
 
 def _open_module(directory: Path, key: str) -> XlaModule:
     """Check an XLA FFI module's metadata and bytes; raise _BadEntry saying what is wrong."""
-    try:
-        meta = json.loads((directory / f"{key}.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise _BadEntry(f"unreadable metadata: {exc}") from exc
-    if not isinstance(meta, dict):
-        raise _BadEntry("metadata is not an object")
+    meta = _read_meta(directory, key)
     expected = {"format": FORMAT, "kind": "xla-ffi", "key": key, "binary": f"{key}.xla",
                 "dsl_version": dsl_version()}
     for name, value in expected.items():

@@ -14,6 +14,11 @@ medians):
   tensor (same values) every call, as a training step does;
 * ``torch_grouped_mm``, a per-expert ``torch.mm`` loop, and one dense cuBLAS GEMM of equal
   FLOPs (hidden x intermediate x tokens_sum): the compute ceiling;
+* QuACK (``quack-kernels``, the ``bench`` extra), when importable: its varlen-K GEMM
+  ``quack.gemm_interface.gemm(A=x.T, B=dy, out=w, cu_seqlens_k=...)`` with its default
+  config (``quack_default``: ``tuned=False``) and with its autotuner (``quack_tuned``), the
+  autotuner's in-memory cache cleared per row so that each row (each token distribution) is
+  tuned on its own tokens, untimed, before the row's samples;
 * ``copy``: a large device-to-device copy (bytes read + written): the HBM bandwidth, for the
   rows with many small experts, whose ceiling is the HBM roofline (see shapes.json's "about").
 
@@ -305,7 +310,7 @@ class RowInputs:
         self.accumulate = accumulate
         out_dtype = torch.float32 if accumulate else torch.bfloat16
         names = ("gwgrad", "adapter", "wrapper", "reference") + (
-            ("grouped_mm",) if accumulate else ())
+            ("grouped_mm",) if accumulate else ("quack_default", "quack_tuned"))
         self.outs = {name: torch.zeros(out_shape, device=device, dtype=out_dtype)
                      for name in names}
         self.init = None
@@ -385,6 +390,23 @@ class RowInputs:
             return lambda: out.add_(torch._grouped_mm(a, b, offs=offsets))
         return lambda: torch._grouped_mm(a, b, offs=offsets)
 
+    def quack(self, tuned: bool):
+        """QuACK's varlen-K GEMM into a BF16 output of its own: ``tuned`` with its autotuner
+        (its in-memory winners cleared first: this row is tuned on its own tokens), else its
+        default config."""
+        import torch
+        from quack.gemm_interface import gemm, gemm_tuned
+
+        if self.accumulate:
+            raise NotImplementedError("QuACK is timed on the BF16-output rows only")
+        if tuned:
+            gemm_tuned.cache.clear()
+        cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int32, device=self.device),
+                                self.offsets])
+        a, b = self.a, self.b
+        out = self.outs["quack_tuned" if tuned else "quack_default"]
+        return lambda: gemm(a, b, out=out, cu_seqlens_k=cu_seqlens, tuned=tuned)
+
     def dense(self):
         import torch
 
@@ -405,6 +427,15 @@ class CopyBuffers:
 
     def __call__(self):
         self.dst.copy_(self.src)
+
+
+def quack_available() -> bool:
+    """Whether QuACK's GEMM imports (the ``bench`` extra on a GPU machine)."""
+    try:
+        import quack.gemm_interface  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed, or no GPU build: the column stays empty
+        return False
+    return True
 
 
 def build_methods(inp: RowInputs, configs: List, row: Dict,
@@ -449,6 +480,9 @@ def build_methods(inp: RowInputs, configs: List, row: Dict,
         add("torch_grouped_mm", inp.grouped_mm)
     add("torch_mm_loop", inp.mm_loop)
     add("dense_cublas", inp.dense)
+    if inp.device.type == "cuda" and not inp.accumulate and quack_available():
+        add("quack_default", lambda: inp.quack(tuned=False))
+        add("quack_tuned", lambda: inp.quack(tuned=True))
     if copy is not None:
         fns["copy"] = copy
     return fns, default
@@ -488,7 +522,8 @@ def summarize(row: Dict, times: Dict[str, float], copy_bytes: int = 0) -> Dict:
     def ms(k):
         return meth.get(k, {}).get("ms")
 
-    for comp in ("torch_grouped_mm", "torch_mm_loop", "dense_cublas"):
+    for comp in ("torch_grouped_mm", "torch_mm_loop", "dense_cublas", "quack_default",
+                 "quack_tuned"):
         if ms("gwgrad") and ms(comp):
             row[f"ratio_vs_{comp}"] = ms(comp) / ms("gwgrad")
     if ms("wrapper") and ms("adapter"):
@@ -563,6 +598,16 @@ def check_row(row: Dict, inp: RowInputs, fns: Dict[str, Callable[[], object]],
             del grouped
         except Exception as exc:  # noqa: BLE001
             row.setdefault("check_errors", {})["torch_grouped_mm"] = _error(exc)
+    for name in ("quack_default", "quack_tuned"):  # a competitor that is wrong is not faster
+        if name in fns and "error" not in row["methods"].get(name, {}):
+            try:
+                nonempty = torch.tensor([c > 0 for c in inp.counts], device=ref.device)
+                inp.reset(inp.outs[name])
+                fns[name]()
+                sync()
+                errs[name] = _rel_err(inp.outs[name], ref, nonempty)
+            except Exception as exc:  # noqa: BLE001
+                row.setdefault("check_errors", {})[name] = _error(exc)
     if "gwgrad" in errs:
         row["rel_err_vs_loop"] = errs["gwgrad"]
     bad = [k for k in ("gwgrad", "adapter", "wrapper") if k in errs
@@ -614,7 +659,8 @@ def run_row(shape: Dict, dist: str, configs: List, multiple: int, check: bool,
 def format_table(rows: List[Dict]) -> str:
     head = (f"{'shape':<14} {'dist':<7} {'gwgrad':>7} {'adapter':>7} {'wrapper':>7} "
             f"{'grp_mm':>7} {'mm_loop':>7} {'dense':>7}  {'w/a':>5} {'x grp':>5} "
-            f"{'x loop':>6} {'x dense':>7} {'HBM%':>5} {'tile':>7} {'check':>5}")
+            f"{'x loop':>6} {'x dense':>7} {'x qk':>5} {'x qkT':>5} {'HBM%':>5} {'tile':>7} "
+            f"{'check':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
         meth = r.get("methods", {})
@@ -644,9 +690,12 @@ def format_table(rows: List[Dict]) -> str:
             f"{ratio(r.get('wrapper_over_adapter'), 5)} "
             f"{ratio(r.get('ratio_vs_torch_grouped_mm'), 5)} "
             f"{ratio(r.get('ratio_vs_torch_mm_loop'), 6)} "
-            f"{ratio(r.get('ratio_vs_dense_cublas'), 7)} {hbm} {tile:>7} {check:>5}")
-    lines.append("(TFLOP/s. w/a: wrapper / adapter (target >= %.2f); x grp, x loop, x dense: "
-                 "gwgrad / competitor (> 1: gwgrad faster); HBM%%: share of the HBM roofline "
+            f"{ratio(r.get('ratio_vs_dense_cublas'), 7)} "
+            f"{ratio(r.get('ratio_vs_quack_default'), 5)} "
+            f"{ratio(r.get('ratio_vs_quack_tuned'), 5)} {hbm} {tile:>7} {check:>5}")
+    lines.append("(TFLOP/s. w/a: wrapper / adapter (target >= %.2f); x grp, x loop, x dense, "
+                 "x qk (QuACK default), x qkT (QuACK autotuned): gwgrad / competitor (> 1: "
+                 "gwgrad faster); HBM%%: share of the HBM roofline "
                  "(bytes / measured copy bandwidth), rows with many small experts)"
                  % WRAPPER_TARGET)
     if any(r.get("accumulate") for r in rows):
@@ -686,6 +735,22 @@ def format_variants(rows: List[Dict]) -> str:
     return "\n".join(lines)
 
 
+#: The competitors summarized over the rows (gwgrad's rate over theirs).
+PEERS = ("torch_grouped_mm", "quack_default", "quack_tuned", "dense_cublas")
+
+
+def peer_summary(rows: List[Dict], comp: str) -> Optional[Dict]:
+    """gwgrad / ``comp`` over the rows that timed both: the worst row, the geometric mean and
+    how many rows (None when no row did)."""
+    got = [(f"{r['name']}/{r['dist']}", r[f"ratio_vs_{comp}"]) for r in rows
+           if f"ratio_vs_{comp}" in r]
+    if not got:
+        return None
+    worst = min(got, key=lambda kv: kv[1])
+    return {"rows": len(got), "min": worst[1], "min_row": worst[0],
+            "geomean": statistics.geometric_mean(v for _, v in got)}
+
+
 def summary(rows: List[Dict]) -> Dict:
     """What the issue asks to see, over every row: the worst wrapper/adapter ratio, the HBM
     roofline shares of the small-expert rows, the copy bandwidth, failures."""
@@ -698,6 +763,7 @@ def summary(rows: List[Dict]) -> Dict:
         "wrapper_target": WRAPPER_TARGET,
         "wrapper_target_met": bool(wa) and min(wa) >= WRAPPER_TARGET and len(wa) == len(rows),
         "copy_gbps_median": statistics.median(copies) if copies else None,
+        "peers": {comp: peer_summary(rows, comp) for comp in PEERS},
         "hbm_fraction_small_experts": {
             f"{r['name']}/{r['dist']}": r["hbm"]["fraction"]["gwgrad"] for r in rows
             if r.get("small_experts") and "gwgrad" in r.get("hbm", {}).get("fraction", {})},
@@ -719,6 +785,10 @@ def format_summary(s: Dict) -> str:
     if s.get("copy_gbps_median"):
         lines.append(f"copy bandwidth (read + write, median over rows): "
                      f"{s['copy_gbps_median']:.0f} GB/s")
+    for comp, peer in (s.get("peers") or {}).items():
+        if peer:
+            lines.append(f"gwgrad / {comp}: geomean {peer['geomean']:.3f}, worst "
+                         f"{peer['min']:.3f} ({peer['min_row']}), {peer['rows']} rows")
     mode = ", FP32 accumulate" if s.get("accumulate") else ""
     for key, frac in s.get("hbm_fraction_small_experts", {}).items():
         lines.append(f"HBM roofline reached, {key}{mode}: {100 * frac:.1f}%")

@@ -173,3 +173,55 @@ def check_descriptor_slots_ptx(ptx: str, descriptors: int) -> None:
                        r"st\.global\.v4\.b32 \[\1\+96\], \{0, 0, 0, 0\}; "
                        r"st\.global\.v4\.b32 \[\1\+112\], \{0, 0, 0, 0\};", ptx)
     assert len(tails) == descriptors, (len(tails), descriptors)
+
+
+#: EIATTR codes of a cubin's .nv.info sections (format 4: an attribute with a value; the value
+#: of these is (function symbol index, count)): the registers a function is compiled for and its
+#: local-memory stack frame (bytes; > 0 where ptxas spilled registers to local memory).
+EIATTR_REGCOUNT, EIATTR_FRAME_SIZE = 0x2F, 0x11
+
+
+def cubin_resources(cubin: bytes):
+    """{"regs": [...], "frame": [...]}: each function's register count and stack-frame bytes,
+    read from the ELF's .nv.info sections (what ``cuobjdump --dump-resource-usage`` prints)."""
+    import struct
+
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize)
+                for i in range(shnum)]
+    names = sections[shstrndx][4]
+    found = {"regs": [], "frame": []}
+    for sec in sections:
+        name = cubin[names + sec[0]:cubin.index(b"\0", names + sec[0])]
+        if not name.startswith(b".nv.info"):
+            continue
+        data, i = cubin[sec[4]:sec[4] + sec[5]], 0
+        while i + 4 <= len(data):
+            fmt, attr, size = data[i], data[i + 1], struct.unpack_from("<H", data, i + 2)[0]
+            if fmt != 4:  # a value-less or inline-value attribute: 4 bytes
+                i += 4
+                continue
+            if size == 8 and attr in (EIATTR_REGCOUNT, EIATTR_FRAME_SIZE):
+                key = "regs" if attr == EIATTR_REGCOUNT else "frame"
+                found[key].append(struct.unpack_from("<II", data, i + 4)[1])
+            i += 4 + size
+    return found
+
+
+def compile_cubin(s: StaticSpec) -> bytes:
+    """Finalize, compile (as compile_ptx) and return the cubin ptxas made."""
+    import glob
+    import os
+
+    from gwgrad.backends import finalize_spec
+    from gwgrad.kernels import compiler
+
+    s, backend = finalize_spec(s)
+    kernel = backend.make_kernel(s)
+    with tempfile.TemporaryDirectory(prefix="gwgrad-cubin-") as path:
+        compiler.compile_kernel(kernel, s, extra_options=f"--keep-cubin --dump-dir {path}")
+        cubins = glob.glob(os.path.join(path, "*.cubin"))
+        assert len(cubins) == 1, cubins
+        with open(cubins[0], "rb") as f:
+            return f.read()

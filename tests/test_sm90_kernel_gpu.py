@@ -22,6 +22,13 @@ class TestSm90(KernelChecks):
     TILINGS = [((128, 256), (1, 1)), ((128, 128), (1, 1))]
 
 
+class TestSm90WideTiles(KernelChecks):
+    """The tiles of 192 accumulators per consumer thread: cooperative 256x192 on a 2x1 pair
+    (unit 512x192) and pingpong 128x192 on a 1x2 pair (unit 128x384)."""
+    ARCH = "sm_90a"
+    TILINGS = [((256, 192), (2, 1)), ((128, 192), (1, 2))]
+
+
 class TestSm90TwoLaunches(KernelChecks):
     """The prep kernel, then the GEMM (spec.launches=2: what JAX's custom call compiles); the
     default above is one launch, the GEMM's CTAs doing the prep work before a hand-off."""
@@ -53,7 +60,8 @@ SPLIT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("tile", [(128, 128), (64, 128)], ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("tile", [(128, 192), (128, 128), (64, 128)],
+                         ids=lambda t: f"{t[0]}x{t[1]}")
 @pytest.mark.parametrize("case", range(len(SPLIT_CASES)))
 def test_pingpong_epilogue_buffer_set_per_group(seed, tile, case):
     from gpu_kernel_checks import make_spec, run_and_check
@@ -70,8 +78,7 @@ def test_pingpong_epilogue_buffer_set_per_group(seed, tile, case):
 # The cooperative tile with a set of epilogue buffers per consumer group (epi_buffer_sets=2):
 # each group stores its own 64 rows, the groups taking turns. 320 rows: the last 128-row tile's
 # second group has no row inside the output (its TMA stores are wholly out of bounds).
-COOP_SPLIT_TILINGS = [((128, 256), (1, 1)), ((128, 256), (2, 1)), ((128, 192), (1, 1)),
-                      ((128, 256), (1, 2))]
+COOP_SPLIT_TILINGS = [((128, 256), (1, 1)), ((128, 256), (2, 1)), ((128, 256), (1, 2))]
 
 
 @pytest.mark.parametrize("tiling", range(len(COOP_SPLIT_TILINGS)))

@@ -64,8 +64,8 @@ def test_every_mode_compiles(majors, order, mode, out, acc):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("tile", [(128, 256), (256, 128), (256, 192), (128, 192), (128, 128),
-                                  (64, 256), (64, 128)], ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("tile", [(128, 256), (256, 128), (128, 192), (128, 128), (64, 256),
+                                  (64, 128)], ids=lambda t: f"{t[0]}x{t[1]}")
 def test_every_tile_compiles(tile):
     ptx = compile_ptx(spec("sm_90a", tile=tile, cluster=(1, 1)))
     check_hopper_ptx(ptx, False)
@@ -75,15 +75,15 @@ def test_every_tile_compiles(tile):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("tile,cluster,out,acc", [
-    ((128, 192), (2, 1), "bfloat16", False),
-    ((128, 192), (1, 2), "float32", True),
-    ((256, 192), (2, 1), "bfloat16", False),
-    ((256, 192), (1, 1), "float32", True),
-], ids=["128x192-2x1", "128x192-1x2-f32-acc", "256x192-2x1", "256x192-f32-acc"])
-def test_192_accumulator_tiles_spill_nothing(tile, cluster, out, acc):
-    """The tiles whose consumer threads hold 192 FP32 accumulators (of their 232 registers):
-    ptxas keeps every value in registers (no local-memory stack frame), in the 16-bit store
-    path and in the FP32 reduce-add one."""
+    ((128, 192), (1, 2), "bfloat16", False),
+    ((128, 192), (2, 1), "float16", False),
+    ((128, 192), (1, 1), "float32", True),
+], ids=["1x2-bf16", "2x1-f16", "f32-acc"])
+def test_192_accumulator_tile_spills_nothing(tile, cluster, out, acc):
+    """The pingpong 128x192 tile, whose consumer threads hold 192 FP32 accumulators (of
+    their 232 registers): ptxas keeps every value in registers (no local-memory stack frame),
+    in the 16-bit store path and in the FP32 reduce-add one. (A 128x256 pingpong tile, 256
+    accumulators, spills about 2 KB a thread.)"""
     from kernel_compile import compile_cubin, cubin_resources
 
     res = cubin_resources(compile_cubin(spec("sm_90a", hidden=2880, intermediate=5760,
@@ -97,6 +97,7 @@ def test_192_accumulator_tiles_spill_nothing(tile, cluster, out, acc):
     ((128, 96), (1, 1), "mma_tiler_mn"),
     ((256, 256), (1, 1), "mma_tiler_mn"),  # 256 accumulator registers per thread
     ((192, 128), (1, 1), "mma_tiler_mn"),
+    ((256, 192), (1, 1), "mma_tiler_mn"),
     ((128, 256), (2, 4), "cluster_shape_mn"),
     ((128, 128), (4, 1), "cluster_shape_mn"),
     ((128, 128), (2, 2), "cluster_shape_mn"),  # SM90 clusters are CTA pairs

@@ -115,10 +115,10 @@ def test_the_cpu_reference_takes_the_epi_buffer_sets_a_gpu_kernel_runs(tile, set
 @pytest.mark.parametrize("hidden,intermediate,tile,want", [
     (7168, 4096, (128, 128), 2),  # dsv3-fc1: 1792 128x128 tiles per expert, pingpong
     (2880, 5760, (128, 128), 2),  # gptoss-fc1: 1035
-    (7168, 4096, None, 1),        # their default: a 2x1 pair of 128x256
+    (7168, 4096, None, 2),        # dsv3-fc1: 1792, a 1x2 pair of pingpong 128x128 CTAs
     (2048, 7168, None, 1),        # dsv3-fc2: 896
     (2048, 1536, None, 1),        # qwen3-30b-fc1: 192
-    (4096, 28672, None, 1),       # mixtral-fc1: 7168, the cooperative 128x256
+    (4096, 28672, None, 2),       # mixtral-fc1: 7168, a 1x2 pair of pingpong 128x192 CTAs
     (768, 2048, None, 1),         # qwen3-30b-fc2: 96, a 1x2 pair of pingpong CTAs, < 1024
     (4096, 28672, (128, 256), 1),  # the cooperative 128x256 tile on a large output: one set
     (1536, 1024, (128, 256), 2),  # ... on <= 128 tiles per expert (fine-256e): a set per group
@@ -326,19 +326,22 @@ def test_fp8_sm90_default_tiling(recipe, hidden, intermediate, tile, cluster, to
 
 
 @pytest.mark.parametrize("hidden,intermediate,experts,tokens,out,acc,tile,cluster,schedule", [
-    # 16-bit outputs: 1x2 pairs below 1024 output tiles per expert, balanced
+    # 16-bit outputs: 1x2 pairs of pingpong CTAs, balanced
     (768, 2048, 128, 131072, "bfloat16", False, (128, 128), (1, 2), 3),  # qwen3-30b-fc2
     (2048, 2816, 64, 32768, "bfloat16", False, (128, 128), (1, 2), 3),  # dsv2lite-fc1
-    # from 4096 tiles the cooperative 128x256 tile, dynamic (chosen by energy at the power cap)
-    (4096, 28672, 8, 32768, "bfloat16", False, (128, 256), (1, 1), 1),  # mixtral-fc1
-    # in between (1024-4095 tiles): 2x1 pairs of 128x256 (by energy), balanced
-    (7168, 4096, 32, 65536, "bfloat16", False, (128, 256), (2, 1), 3),  # dsv3-fc1: 1792 tiles
-    (2880, 5760, 32, 65536, "float16", False, (128, 256), (2, 1), 3),  # gptoss-fc1: 23 rows
-    (640, 32768, 8, 65536, "bfloat16", False, (128, 128), (1, 1), 1),  # 5 row tiles: odd
+    # 192-wide column tiles where they pad intermediate by <= 1%: 1x2 pairs of 128x192
+    (4096, 28672, 8, 32768, "bfloat16", False, (128, 192), (1, 2), 3),  # mixtral-fc1: 0.45%
+    (2880, 5760, 32, 65536, "float16", False, (128, 192), (1, 2), 3),  # gptoss-fc1: 30 exact
+    (2048, 1536, 128, 131072, "bfloat16", False, (128, 192), (1, 2), 3),  # qwen3-30b-fc1
+    (640, 32768, 8, 65536, "bfloat16", False, (128, 192), (1, 2), 3),  # 171 tiles: odd, >= 16
+    (768, 384, 128, 131072, "bfloat16", False, (128, 192), (1, 2), 3),  # 2 tiles of 192
+    # else 1x2 pairs of 128x128 below 4096 tiles
+    (7168, 4096, 32, 65536, "bfloat16", False, (128, 128), (1, 2), 3),  # dsv3-fc1: 3.1% pad
+    (2048, 7168, 32, 65536, "bfloat16", False, (128, 128), (1, 2), 3),  # dsv3-fc2: 1.8% pad
     (1536, 1024, 256, 65536, "bfloat16", False, (128, 256), (2, 1), 3),  # fine-256e: short
     (768, 2048, 128, 131072, "bfloat16", True, (128, 128), (1, 1), 1),  # 16-bit accumulate
     (768, 128, 128, 131072, "bfloat16", False, (128, 128), (1, 1), 1),  # one column tile
-    (768, 384, 128, 131072, "bfloat16", False, (128, 128), (1, 1), 1),  # 3 column tiles: odd
+    (768, 640, 128, 131072, "bfloat16", False, (128, 128), (1, 1), 1),  # 5 column tiles: odd
     # FP32 outputs: pairs from 1024 tiles per expert, balanced; short experts' pairs dynamic
     (7168, 4096, 32, 65536, "float32", True, (128, 128), (1, 2), 3),  # dsv3-fc1
     (4096, 28672, 8, 32768, "float32", True, (128, 128), (1, 2), 3),  # mixtral-fc1
@@ -373,10 +376,11 @@ def test_sm90_bf16_pairs_only_when_the_tiling_is_left_open():
 
     from kernel_compile import spec
 
-    mid = dict(hidden=7168, intermediate=4096, experts=32)  # dsv3-fc1: a 2x1 pair by default
-    wide = dict(hidden=4096, intermediate=28672, experts=8)  # mixtral-fc1: 128x256, no pair
+    mid = dict(hidden=7168, intermediate=4096, experts=32)  # dsv3-fc1: a 1x2 pair by default
+    wide = dict(hidden=4096, intermediate=28672, experts=8)  # mixtral-fc1: a 1x2 pair of 128x192
     paired = finalize_spec(spec("sm_90a", **mid))[0]
-    assert (paired.mma_tiler_mn, paired.cluster_shape_mn) == ((128, 256), (2, 1))
+    assert (paired.mma_tiler_mn, paired.cluster_shape_mn) == ((128, 128), (1, 2))
+    assert finalize_spec(spec("sm_90a", **wide))[0].cluster_shape_mn == (1, 2)
     for tile in ((128, 256), (128, 128)):
         tile_only = finalize_spec(spec("sm_90a", tile=tile, **mid))[0]
         assert tile_only.cluster_shape_mn == (1, 1) and tile_only.unit_schedule == 1

@@ -142,9 +142,8 @@ def cases() -> List[SanCase]:
     f16 = [0, 80, 48, 272]  # FP8 FP32 recipes: multiples of 16, not of 128
     f32 = [0, 96, 32, 288]  # blocked scales: multiples of 32, not of 128
     out = []
-    for tile, sched in (((128, 256), "coop"), ((256, 128), "coop"), ((256, 192), "coop"),
-                        ((128, 192), "pp"), ((128, 128), "pp"), ((64, 256), "pp"),
-                        ((64, 128), "pp")):
+    for tile, sched in (((128, 256), "coop"), ((256, 128), "coop"), ((128, 192), "pp"),
+                        ((128, 128), "pp"), ((64, 256), "pp"), ((64, 128), "pp")):
         race = RACE if tile in ((128, 256), (128, 128), (64, 128)) else ALL
         out.append(_gemm(f"bf16_{sched}_{tile[0]}x{tile[1]}",
                          f"SM90 BF16 {'cooperative' if sched == 'coop' else 'pingpong'} "

@@ -21,6 +21,8 @@ Facts of the problem:
   tokens     tokens per expert on average, when the call's tokens_sum is known
   pair_m     a CTA pair fits the hidden extent (``pair_fits``: a 2x1 pair's rows)
   pair_n     a CTA pair fits the intermediate extent (a 1x2 pair's columns)
+  n192       192-wide column tiles cover the intermediate extent with at most 1% padding
+             (``fits192``), in a count a 1x2 pair fits
   recipe     the scale recipe (gwgrad/scales.py), ``none`` for BF16
   open       the caller chose neither the tile nor the cluster
 Facts of the tiling chosen (by the caller or a rule), for the later fields:
@@ -50,6 +52,14 @@ def pair_fits(extent: int) -> bool:
     return tiles >= 2 and (tiles % 2 == 0 or tiles >= 16)
 
 
+def fits192(extent: int) -> bool:
+    """Whether 192-wide tiles along ``extent`` (a 128x192 tile's columns) pad it by at most 1%
+    (the tile quantization: a 192-wide tile past the extent computes and stores columns that do
+    not exist) and come in a count a CTA pair covers (``pair_fits``' rule, in 192-wide tiles)."""
+    tiles = -(-extent // 192)
+    return tiles * 192 * 100 <= extent * 101 and tiles >= 2 and (tiles % 2 == 0 or tiles >= 16)
+
+
 class Problem:
     """The facts a condition reads, of one spec (and the call's tokens, when known) and the
     tuning chosen so far."""
@@ -68,6 +78,7 @@ class Problem:
                        else fractions.Fraction(tokens_sum, max(spec.num_experts, 1))),
             "pair_m": pair_fits(spec.hidden),
             "pair_n": pair_fits(spec.intermediate),
+            "n192": fits192(spec.intermediate),
             "recipe": spec.scale_recipe or "none",
             "open": spec.mma_tiler_mn is None and spec.cluster_shape_mn is None,
         }
@@ -94,8 +105,8 @@ class Problem:
         raise KeyError(fact)
 
 
-FACTS = ("tiles", "n_tiles", "out_bytes", "acc", "out16", "tokens", "pair_m", "pair_n", "recipe",
-         "open", "schedule", "two_sets", "pair")
+FACTS = ("tiles", "n_tiles", "out_bytes", "acc", "out16", "tokens", "pair_m", "pair_n", "n192",
+         "recipe", "open", "schedule", "two_sets", "pair")
 _OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
         "==": operator.eq, "!=": operator.ne}
 _TERM = re.compile(r"(?:(not) )?(\w+)(?: (<=|>=|==|!=|<|>) (\w+))?")
@@ -218,10 +229,10 @@ SM90_BF16 = rules(
     "sm90-short-pair: open and tokens <= 384 and tiles <= 128 and out16 and pair_m -> 128x256 2x1",
     "sm90-short-coop: open and tokens <= 384 and tiles <= 128 and out16 -> 128x256 1x1",
     "sm90-short-fp32: open and tokens <= 384 and tiles <= 128 and out_bytes == 4 and n_tiles >= 2 -> 128x128 1x2",
-    "sm90-mid-pair: open and out16 and tiles >= 1024 and tiles < 4096 and pair_m -> 128x256 2x1",
+    "sm90-192-pair: open and out16 and n192 -> 128x192 1x2",
     "sm90-fp32-pair: open and out_bytes == 4 and tiles >= 1024 and pair_n -> 128x128 1x2",
-    "sm90-small-pair: open and out16 and tiles < 1024 and pair_n -> 128x128 1x2",
     "sm90-wide: tiles >= 4096 -> 128x256 1x1",
+    "sm90-pair: open and out16 and pair_n -> 128x128 1x2",
     "sm90-pingpong: -> 128x128 1x1",
     "sm90-epi-16bit: out_bytes == 2 -> raster_group=16 epi_tile_n=64",
     "sm90-epi-fp32: -> raster_group=16 epi_tile_n=32",

@@ -72,8 +72,8 @@ SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_90")  # 227 KiB pe
 UNIT_STAGES = 4  # the unit ring: units the TMA warp publishes ahead of the consumer groups
 SMEM_RESERVED = 2048  # mbarriers, the unit ring, alignment
 MAX_AB_STAGE = 8
-#: FP32 accumulators a consumer thread may hold: 192 of its 232 registers (128x192 pingpong,
-#: 256x192 cooperative), the rest the mainloop's and the epilogue's; ptxas spills nothing there
+#: FP32 accumulators a consumer thread may hold: 192 of its 232 registers (128x192 pingpong),
+#: the rest the mainloop's and the epilogue's; ptxas spills nothing there
 #: (tests/test_compile_sm90.py checks the cubins' local frames).
 MAX_ACC_REGS = 192
 

@@ -12,12 +12,11 @@ from typing import Optional, Tuple
 Pair = Tuple[int, int]
 
 #: SM90 (mma_tiler_mn) -> schedule. 128x192, 128x128 and 64xN tiles run one tile per consumer
-#: warp group (pingpong); 128x256, 256x128 and 256x192 split one tile over both (cooperative).
-#: A consumer thread holds at most 192 FP32 accumulators (128x192 pingpong, 256x192).
+#: warp group (pingpong); 128x256 and 256x128 split one tile over both (cooperative). A
+#: consumer thread holds at most 192 FP32 accumulators (128x192 pingpong).
 SM90_TILES = {
     (128, 256): "cooperative",
     (256, 128): "cooperative",
-    (256, 192): "cooperative",
     (128, 192): "pingpong",
     (128, 128): "pingpong",
     (64, 256): "pingpong",

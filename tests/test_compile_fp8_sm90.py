@@ -74,6 +74,30 @@ def test_pairs_multicast_the_shared_operand_only(recipe, cluster):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("recipe,tile,cluster", [
+    ("per_expert_channel", (128, 192), (2, 1)),
+    ("block_1x128", (128, 128), (1, 2)),
+], ids=["channel-128x192-2x1", "1x128-128x128-1x2"])
+def test_cooperative_epilogue_buffer_set_per_group(recipe, tile, cluster):
+    """epi_buffer_sets=2 on the FP8 cooperative tiles: as in the BF16 kernel, each consumer
+    group stores its own 64 rows through its own staging buffers (128-thread barriers instead
+    of 256-thread ones) and the groups take turns (one 256-thread wait per unit); the scaled
+    mainloop is untouched; ptxas spills nothing."""
+    from kernel_compile import compile_cubin, cubin_resources
+
+    base = fp8_spec("sm_90a", recipe, hidden=1536, intermediate=1024, experts=64, tile=tile,
+                    cluster=cluster).with_tuning(epi_buffer_sets=1)
+    shared = compile_ptx(base)
+    split = compile_ptx(base.with_tuning(epi_buffer_sets=2))
+    assert re.findall(r"bar\.sync\s+\d+, 256;", shared)
+    assert not re.findall(r"bar\.sync\s+\d+, 256;", split)
+    assert re.findall(r"bar\.sync\s+%r\d+, 128;", split)
+    assert len(re.findall(r"bar\.sync\s+%r\d+, 256;", split)) == 1  # its turn
+    assert shared.count("wgmma.mma_async") == split.count("wgmma.mma_async")
+    assert max(cubin_resources(compile_cubin(base.with_tuning(epi_buffer_sets=2)))["frame"]) == 0
+
+
+@pytest.mark.compile
 def test_mixed_e4m3_e5m2():
     ptx = compile_ptx(fp8_spec("sm_90a", "per_expert_channel", a="e4m3", b="e5m2"))
     assert "f32.e4m3.e5m2" in ptx

@@ -171,8 +171,8 @@ def test_pingpong_epilogue_buffer_set_per_group(case):
     dict(tile=(128, 256)),
     dict(tile=(128, 256), cluster=(2, 1), out="float32", acc=True, mode="discrete"),
     dict(tile=(128, 256), cluster=(1, 2), order="tensor_ragged", a_major="k"),
-    dict(tile=(128, 192), out="float16", b_major="k"),
-], ids=["128x256", "128x256-2x1-f32-acc-discrete", "128x256-1x2-ragged", "128x192-f16"])
+    dict(tile=(128, 256), out="float16", b_major="k"),
+], ids=["128x256", "128x256-2x1-f32-acc-discrete", "128x256-1x2-ragged", "128x256-f16-bk"])
 def test_cooperative_epilogue_buffer_set_per_group(case):
     """spec.epi_buffer_sets=2 on a cooperative tile: each consumer group stores its own 64
     rows through its own staging buffers (a 128-thread barrier per group instead of the

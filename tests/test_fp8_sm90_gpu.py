@@ -228,6 +228,37 @@ def test_recipe_tilings_on_pairs(seed, recipe, tiling, cluster):
              cluster=cluster, global_scales=True, extra=1)
 
 
+@pytest.fixture
+def two_staging_sets(monkeypatch):
+    """The FP8 backend's defaults with a set of epilogue staging buffers per consumer group
+    (epi_buffer_sets=2, not a wrapper argument): a rule put first in its table; no operator or
+    plan compiled before or after it is reused."""
+    from gwgrad import plan as gwplan
+    from gwgrad.backends import fp8_sm90
+    from gwgrad.backends.tuning_rules import SM90_FP8, Rule
+
+    gwplan.clear_cache()
+    first = Rule.parse("fp8-test-two-sets: -> epi_buffer_sets=2")
+    monkeypatch.setattr(fp8_sm90.Fp8Sm90Backend, "tuning_rules", (first,) + SM90_FP8)
+    yield
+    gwplan.clear_cache()
+
+
+@pytest.mark.parametrize("tiling,cluster", [((128, 192), (2, 1)), ((128, 128), (1, 2)),
+                                            ((128, 192), (1, 1))],
+                         ids=["128x192-2x1", "128x128-1x2", "128x192"])
+@pytest.mark.parametrize("recipe", ["per_expert_channel", "block_1x128"])
+@pytest.mark.parametrize("case", [0, 3, 4])
+def test_cooperative_epilogue_buffer_set_per_group(seed, two_staging_sets, recipe, tiling,
+                                                    cluster, case):
+    """Each cooperative consumer group stores its own 64 rows through its own staging
+    buffers, in turn (epi_buffer_sets=2), in the scaled kernel: 16-bit, FP32 accumulated and
+    discrete outputs, partial tiles (hidden 208: the last 128-row tile's second group has 16
+    rows), a pair whose second CTA lies past the output's edge."""
+    run_case(seed, recipe, COUNTS[recipe], hidden=208, inter=400, tiling=tiling,
+             cluster=cluster, extra=1, **MODES[case])
+
+
 @pytest.mark.parametrize("recipe", ["per_expert_channel", "block_1x128"])
 def test_mixed_fp8_formats(seed, recipe):
     run_case(seed, recipe, COUNTS[recipe], a_fmt="e4m3", b_fmt="e5m2",

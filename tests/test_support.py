@@ -393,17 +393,19 @@ def test_sm90_bf16_pairs_only_when_the_tiling_is_left_open():
 
 
 @pytest.mark.parametrize("arch", ["cpu", "sm_90a"])
-def test_a_set_per_cooperative_group_is_refused_where_the_kernel_cannot_run_it(arch):
-    """epi_buffer_sets=2 on a cooperative tile is refused with block-scaled inputs, by the GPU
-    backend and by the CPU reference alike (ValueError naming the argument)."""
+@pytest.mark.parametrize("tile", [(128, 128), (128, 192)], ids=lambda t: f"{t[0]}x{t[1]}")
+def test_a_set_per_cooperative_group_runs_with_fp8_inputs(arch, tile):
+    """epi_buffer_sets=2 on the FP8 cooperative tiles (128 rows: each consumer group stores
+    its 64) is accepted by the GPU backend and the CPU reference alike; the SM100 block-scaled
+    kernel, one epilogue at a time, refuses it (ValueError naming the argument)."""
 
     if arch != "cpu":
         pytest.importorskip("cutlass")
     from gwgrad.backends import finalize_spec
     from kernel_compile import fp8_spec
 
-    request = fp8_spec(arch, "block_1x128", tile=(128, 128), cluster=(1, 1))
-    want = "with block-scaled inputs on a cooperative tile"
-    finalize_spec(request)  # one set: accepted
-    with pytest.raises(ValueError, match=rf"^epi_buffer_sets: expected 1 {want}.*got 2$"):
-        finalize_spec(request.with_tuning(epi_buffer_sets=2))
+    request = fp8_spec(arch, "block_1x128", tile=tile, cluster=(1, 1))
+    assert finalize_spec(request.with_tuning(epi_buffer_sets=2))[0].epi_buffer_sets == 2
+    blackwell = fp8_spec("sm_100a", "blocked", tile=(256, 128), cluster=(2, 1))
+    with pytest.raises(ValueError, match=r"^epi_buffer_sets: expected 1 with the SM100 kernel"):
+        finalize_spec(blackwell.with_tuning(epi_buffer_sets=2))

@@ -99,8 +99,7 @@ class Problem:
             if fact == "schedule":
                 return schedule or "none"
             if fact == "two_sets":
-                return epi_buffer_sets_problem(2, schedule, self.spec.is_block_scaled,
-                                               tile[0]) is None
+                return epi_buffer_sets_problem(2, schedule, tile[0]) is None
             return sorted(cluster) == [1, 2]
         raise KeyError(fact)
 

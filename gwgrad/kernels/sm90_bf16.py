@@ -223,8 +223,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             return ("mma_tiler_mn",
                     f"{cfg.schedule} tiles are {rows[0]}|{rows[1]} x 64..256, got "
                     f"{cta_m}x{cta_n}")
-        problem = (epi_buffer_sets_problem(cfg.epi_buffer_sets, cfg.schedule,
-                                           bool(cfg.scale_recipe), cta_m)
+        problem = (epi_buffer_sets_problem(cfg.epi_buffer_sets, cfg.schedule, cta_m)
                    or unit_schedule_problem(cfg.unit_schedule, bool(cfg.scale_recipe)))
         if problem is not None:
             return problem

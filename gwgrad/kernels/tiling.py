@@ -53,13 +53,13 @@ def sm90_schedule(mma_tiler_mn: Pair) -> str:
     return SM90_TILES[tuple(mma_tiler_mn)]
 
 
-def epi_buffer_sets_problem(sets: int, schedule: Optional[str], block_scaled: bool = False,
+def epi_buffer_sets_problem(sets: int, schedule: Optional[str],
                             cta_m: int = 128) -> Optional[Tuple[str, str]]:
     """(argument, detail) unless a kernel with ``schedule`` ("cooperative" | "pingpong" on
     SM90; None: SM100, no consumer groups) runs ``sets`` sets of epilogue staging buffers
     (0: the default, 1). 2 gives each SM90 consumer group a set of its own: pingpong groups
     then overlap their epilogues; cooperative groups of a 128-row CTA tile (``cta_m``) store
-    their own 64 rows in turn (the BF16 kernel)."""
+    their own 64 rows in turn (the BF16 and the scaled FP8 kernels alike)."""
     if sets in (0, 1) or (sets == 2 and schedule == "pingpong"):
         return None
     if sets == 2 and schedule == "cooperative":
@@ -67,10 +67,6 @@ def epi_buffer_sets_problem(sets: int, schedule: Optional[str], block_scaled: bo
             return "epi_buffer_sets", (f"expected 1 with a cooperative CTA tile of {cta_m} "
                                        f"rows (2 needs 128: each consumer group stores 64 "
                                        f"contiguous rows), got 2")
-        if block_scaled:
-            return "epi_buffer_sets", ("expected 1 with block-scaled inputs on a cooperative "
-                                       "tile (a set of epilogue buffers per consumer group "
-                                       "runs there in the BF16 kernel only), got 2")
         return None
     if sets == 2:
         return "epi_buffer_sets", ("expected 1 with the SM100 kernel, which runs one epilogue "
@@ -118,8 +114,7 @@ def any_gpu_epi_buffer_sets_problem(sets: int, mma_tiler_mn: Pair,
     """epi_buffer_sets_problem for the SM90 kernel of the family that runs ``mma_tiler_mn``
     (a CTA's tile on SM90, whatever the cluster) (what the CPU reference accepts)."""
     tiles = SM90_FP8_TILES if block_scaled else SM90_TILES
-    return epi_buffer_sets_problem(sets, tiles.get(tuple(mma_tiler_mn)), block_scaled,
-                                   mma_tiler_mn[0])
+    return epi_buffer_sets_problem(sets, tiles.get(tuple(mma_tiler_mn)), mma_tiler_mn[0])
 
 
 def sm90_fp8_problem(mma_tiler_mn: Pair, cluster_shape_mn: Pair) -> Optional[Tuple[str, str]]:

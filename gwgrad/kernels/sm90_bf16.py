@@ -32,8 +32,11 @@ before any barrier init, load or store; a pair's CTAs walk the same units (a CTA
 lies past the output computes it and stores nothing); a unit's stage count is its expert's
 K tiles, the same in the TMA warp and both groups.
 
+Tiles: cooperative 128x256 and 256x128 (64 or 128 accumulators a thread per 64-row half);
+pingpong 128x192 (192 accumulators: MAX_ACC_REGS), 128x128, 64x256, 64x128.
+
 Verified on an H200: tests/test_sm90_kernel_gpu.py (TestSm90, TestSm90TwoLaunches,
-TestSm90PairSharingA / B: every mode per cluster shape; test_pingpong_ and
+TestSm90PairSharingA / B, TestSm90Tile192: every mode per cluster shape; test_pingpong_ and
 test_cooperative_epilogue_buffer_set_per_group, test_single_launch_*,
 test_balanced_schedule, test_zero_fill_*), tests/test_status_gpu.py (invalid offsets write
 nothing), tests/test_api_gpu.py and the adapters' GPU tests. Not yet under the fuzz

@@ -28,13 +28,19 @@ accumulator, then promoted into the main one on CUDA cores:
 Global scales (per expert) multiply the accumulator before the epilogue. An empty expert
 stores zeros (nothing when accumulating), whatever its scales hold.
 
+Epilogue staging: one set shared by both groups, or (epi_buffer_sets=2) a set per consumer
+group; on a cooperative 128-row tile each group then stores its own 64 rows in turn, the scales
+applied to its accumulator first (the BF16 kernel's coop_split).
+
 Clusters: the BF16 kernel's CTA pairs, (1, 2) multicasting A and (2, 1) B; a CTA's tile is the
 unit tile over the cluster shape, and each CTA loads its own tile's scales (not multicast) on
 its own stage barrier, whose transaction bytes count them (scale_stage_bytes).
 
 Verified on an H200: tests/test_fp8_sm90_gpu.py (every recipe and mode, pingpong and
 cooperative tiles, 1x1 and both pairs (test_recipe_modes_on_pairs, test_recipe_tilings_on_pairs),
-mixed E4M3 / E5M2, special E8M0 codes; too-small scales and invalid offsets write nothing).
+mixed E4M3 / E5M2, special E8M0 codes, a staging set per cooperative group
+(test_cooperative_epilogue_buffer_set_per_group); too-small scales and invalid offsets write
+nothing).
 PTX checks (sm_90a, no GPU): tests/test_compile_fp8_sm90.py.
 """
 

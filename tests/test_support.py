@@ -310,19 +310,41 @@ def test_unit_schedules_without_a_kernel_are_rejected(arch, schedule):
     ("block_1x128", 512, 128, (128, 128), (1, 1)),
     ("blocked", 512, 768, (64, 128), (1, 1)), ("blocked", 512, 128, (64, 128), (1, 1)),
 ])
-@pytest.mark.parametrize("tokens_per_expert", [None, 256, 4096])
+@pytest.mark.parametrize("tokens_per_expert", [None, 512, 4096])
 def test_fp8_sm90_default_tiling(recipe, hidden, intermediate, tile, cluster, tokens_per_expert):
     """The SM90 FP8 defaults (measured, backends/fp8_sm90.py): 128x192 for the channel and
     1x128 recipes (128x128 on outputs of one 128-column tile), the channel recipe on a 2x1
-    pair where the pair fits the hidden extent, the pingpong 64x128 for MXFP8, whatever the
-    call's tokens."""
+    pair where the pair fits the hidden extent, the pingpong 64x128 for MXFP8, one staging
+    set, whatever the call's tokens past the short experts' 384."""
     from gwgrad.backends import finalize_spec
     from kernel_compile import fp8_spec
 
     request = fp8_spec("sm_90a", recipe, hidden=hidden, intermediate=intermediate)
     tokens = None if tokens_per_expert is None else tokens_per_expert * request.num_experts
     spec, _ = finalize_spec(request, tokens)
-    assert (spec.mma_tiler_mn, spec.cluster_shape_mn) == (tile, cluster)
+    assert (spec.mma_tiler_mn, spec.cluster_shape_mn, spec.epi_buffer_sets) == (tile, cluster, 1)
+
+
+@pytest.mark.parametrize("recipe,hidden,tile,cluster,sets", [
+    ("per_expert_channel", 1536, (128, 192), (2, 1), 2),  # fine-256e
+    ("block_1x128", 1536, (128, 192), (2, 1), 2),
+    ("block_1x128", 384, (128, 192), (1, 1), 2),  # 3 row tiles: no pair; still two sets
+    ("blocked", 1536, (64, 128), (1, 1), 1),  # MXFP8: its pingpong tile, one set
+])
+def test_fp8_sm90_short_expert_tiling(recipe, hidden, tile, cluster, sets):
+    """Short experts (<= 384 tokens, <= 128 output tiles each; tokens known) on the FP32
+    recipes: the cooperative 128x192 on a 2x1 pair where it fits the hidden extent, a staging
+    set per consumer group (16-bit outputs); FP32 outputs keep one set."""
+    from gwgrad.backends import finalize_spec
+    from kernel_compile import fp8_spec
+
+    request = fp8_spec("sm_90a", recipe, hidden=hidden, intermediate=1024, experts=256)
+    spec, _ = finalize_spec(request, 256 * 256)
+    assert (spec.mma_tiler_mn, spec.cluster_shape_mn, spec.epi_buffer_sets) == (
+        tile, cluster, sets)
+    f32 = finalize_spec(fp8_spec("sm_90a", recipe, hidden=hidden, intermediate=1024,
+                                 experts=256, out="float32", acc=True), 256 * 256)[0]
+    assert f32.epi_buffer_sets == 1
 
 
 @pytest.mark.parametrize("hidden,intermediate,experts,tokens,out,acc,tile,cluster,schedule", [

@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple
 from .. import cuda
 from ..dtypes import DType
 from ..errors import UnsupportedError, arch_names
-from ..spec import StaticSpec
+from ..spec import TUNING_FIELDS, StaticSpec
 from ._cutedsl import CuteDslBackend
 from .base import Backend, LaunchArgs
 from .tuning_rules import resolve
@@ -101,19 +101,17 @@ def get_backend(spec: StaticSpec) -> Backend:
 
 
 def tiling_for_tokens(spec: StaticSpec, tokens_sum: int) -> StaticSpec:
-    """``spec`` with the tiling its backend's rules pick for ``tokens_sum`` tokens where that
-    differs from their pick for unknown tokens (the short-expert rules) and the caller left
-    both fields None; otherwise ``spec`` itself (``finalize_spec`` then fills the default).
-    Its result is a cache key: requests of one tiling share it."""
+    """``spec`` with the tuning fields its backend's rules pick for ``tokens_sum`` tokens where
+    that differs from their pick for unknown tokens (the short-expert rules) and the caller left
+    the tiling open; otherwise ``spec`` itself (``finalize_spec`` then fills the default).
+    Its result is a cache key: requests of one tuning share it."""
     if spec.mma_tiler_mn is not None or spec.cluster_shape_mn is not None:
         return spec
     rules = get_backend(spec).tuning_rules
     known, blind = resolve(rules, spec, tokens_sum), resolve(rules, spec)
-    if (known.mma_tiler_mn, known.cluster_shape_mn) == (blind.mma_tiler_mn,
-                                                        blind.cluster_shape_mn):
-        return spec
-    return spec.with_tuning(mma_tiler_mn=known.mma_tiler_mn,
-                            cluster_shape_mn=known.cluster_shape_mn)
+    pinned = {f: getattr(known, f) for f in TUNING_FIELDS
+              if getattr(known, f) != getattr(blind, f) and not getattr(spec.tuning, f)}
+    return spec.with_tuning(**pinned) if pinned else spec
 
 
 def finalize_spec(spec: StaticSpec,

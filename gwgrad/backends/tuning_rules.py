@@ -248,10 +248,12 @@ SM90_BF16 = rules(
 SM90_FP8 = rules(
     "fp8-mxfp8: recipe == blocked -> 64x128 1x1",
     "fp8-narrow: n_tiles <= 1 -> 128x128 1x1",
+    "fp8-short-pair: open and tokens <= 384 and tiles <= 128 and out16 and recipe != blocked and pair_m -> 128x192 2x1",
     "fp8-channel-pair: recipe == per_expert_channel and pair_m -> 128x192 2x1",
     "fp8-coop: -> 128x192 1x1",
     "fp8-epi-16bit: out_bytes == 2 -> raster_group=16 epi_tile_n=64",
     "fp8-epi-fp32: -> raster_group=16 epi_tile_n=32",
+    "fp8-short-sets: tokens <= 384 and tiles <= 128 and out16 and recipe != blocked and two_sets -> epi_buffer_sets=2",
     "fp8-rest: -> epi_buffer_sets=1 unit_schedule=dynamic launches=2",
 )
 

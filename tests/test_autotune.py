@@ -458,11 +458,11 @@ def test_the_timing_loop_takes_medians_round_robin_and_skips_a_failure(monkeypat
     # 2, 4, 10), the turn rotated by one each round and reversed every other round; the
     # failed candidate (its 6th launch) drops out of the rounds.
     assert clock.order == ([0] * 3 + [1] * 3 + [2] * 3
-                           + [0] * 2 + [1] * 4 + [2] * 2  # round 0: 0 1 2
-                           + [0] * 2 + [1] * 4  # round 1: (1 2 0) reversed
-                           + [0] * 2 + [1] * 4  # round 2: 2 0 1
-                           + [1] * 4 + [0] * 2  # round 3: (0 1 2) reversed
-                           + [1] * 4 + [0] * 2)  # round 4: 1 2 0
+                           + [0] * 2 + [1] * 4 + [2] * 2  # first turn: 0 1 2
+                           + [0] * 2 + [1] * 4  # then (1 2 0) reversed
+                           + [0] * 2 + [1] * 4  # 2 0 1
+                           + [1] * 4 + [0] * 2  # (0 1 2) reversed
+                           + [1] * 4 + [0] * 2)  # 1 2 0
 
 
 def test_measure_launches_every_candidate_into_scratch_memory(monkeypatch):

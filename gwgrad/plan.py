@@ -62,7 +62,8 @@ class PlanCache:
         self._entries: Dict[tuple, Any] = {}
         #: ``get`` bound once: the per-call paths call it directly.
         self.get = self._entries.get
-        _every_cache.add(self)  # forget_plans() empties every one
+        with _lock:
+            _every_cache.add(self)  # forget_plans() empties every one
 
     def __setitem__(self, key, value) -> None:
         entries = self._entries
@@ -405,7 +406,8 @@ def plan_for(a: TensorDesc, b: TensorDesc, offsets: TensorDesc, *,
     the caller allocates it before launching: pass a descriptor of the layout it will have).
 
     The first call with a signature runs the contract's full check (``build_spec``) and finds
-    or compiles the operator; later calls with the same signature cost a dict lookup. The
+    or compiles the operator (with the autotuner's tiling when ``tuner`` has one for a CUDA
+    call: gwgrad.autotune); later calls with the same signature cost a dict lookup. The
     target architecture (the device's, or ``CUTE_DSL_ARCH``) is read when a plan is built.
     """
     key = (interop.signature(a), interop.signature(b), interop.signature(offsets), interop.signature(wgrad),

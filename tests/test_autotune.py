@@ -218,7 +218,10 @@ def test_a_fresh_process_loads_the_persisted_winner_without_timing(recorder, mon
 def test_the_explicit_call_is_used_by_later_calls_whatever_the_environment(recorder):
     a, b, offsets, out = call_descs()
     assert tiling(wrapper_call(recorder)) == ((256, 256), (2, 1))  # a plan before tuning
+    adapter_plans = plans.PlanCache()  # an adapter's cache: emptied too
+    adapter_plans["signature"] = "a plan with the old tiling"
     result = gwgrad.autotune(a, b, offsets_tensor=offsets, wgrad_tensor=out, current_stream=9)
+    assert "signature" not in adapter_plans
     assert result.source == "timed" and result.tuning == result.spec.tuning
     assert tiling(result.spec) == ((128, 128), (1, 1))
     assert result.default.mma_tiler_mn == (256, 256)

@@ -20,8 +20,8 @@ arguments) or ``GWGRAD_AUTOTUNE=1`` times the candidates on the call's own opera
   signature), in eighths of padding, least first, then larger cluster tiles first (fewer
   operand bytes per FLOP); only the SM90 BF16 table reaches the cap (21 tilings on a shape
   that pads little), where it drops the smallest cluster tiles (the 64x128 tiles, and 128x128
-  and 64x256 on one CTA; the default stays whatever it is). SM100 BF16 runs more tile widths than its table's (multiples of 32): the tuner
-  tries the table's four (N 128 or 256).
+  and 64x256 on one CTA; the default stays whatever it is). SM100 BF16 runs more tile widths
+  than its table's (multiples of 32): the tuner tries the table's four (N 128 or 256).
 * **Timing** (``measure``): after a device synchronization (whatever produced the operands is
   done), the offsets are checked on the host (invalid ones raise the wrapper's
   ``ArgumentError``); each candidate is compiled (through the kernel cache) and launched on the
@@ -58,7 +58,8 @@ arguments) or ``GWGRAD_AUTOTUNE=1`` times the candidates on the call's own opera
   a first call inside a CUDA-graph capture (a persisted winner is still used); a first call
   under ``GWGRAD_AUTOTUNE=1`` whose offsets fail the check, or while an earlier launch's
   offsets error is pending (the call goes on with the rules' tiling and reports the error as
-  usual). In those cases nothing is kept, and a later first call of the signature tunes it.
+  usual). In those cases nothing is kept: the signature's next plan (another process, or
+  after ``gwgrad.clear_cache``) tunes it.
 
 Within the package, ``gwgrad.autotune`` is the function; this module is
 ``sys.modules["gwgrad.autotune"]`` (``from gwgrad.autotune import AutotuneResult``).

@@ -39,6 +39,7 @@ from .api import (  # noqa: E402
     grouped_gemm_wgrad,
     grouped_gemm_wgrad_wrapper_sm100,
 )
+from .autotune import autotune  # noqa: E402  (gwgrad.autotune: the function, over the module)
 from .backends.base import Backend, LaunchArgs  # noqa: E402
 from .dtypes import DType  # noqa: E402
 from .errors import ArgumentError, UnsupportedError  # noqa: E402
@@ -56,6 +57,7 @@ __all__ = [
     "GroupedGemmWgradSm100",
     "grouped_gemm_wgrad_wrapper_sm100",
     "get_grouped_gemm_wgrad_workspace_size_sm100",
+    "autotune",
     "TupleDict",
     "LaunchPlan",
     "plan_for",

@@ -199,6 +199,11 @@ class GroupedGemmWgrad:
         self._request = request
         self.sf_fp8_dtype_override = sf_fp8_dtype_override
         self._device_id = t["a_tensor"].device_id
+        # The samples, held until check_support() picks the tiling: the autotuner (gwgrad.autotune,
+        # when switched on) times the candidates on them there.
+        self._samples = tuple(t[name] for name in ("a_tensor", "b_tensor", "offsets_tensor",
+                                                   "sfa_tensor", "sfb_tensor", "global_scale_a",
+                                                   "global_scale_b"))
         # The default tiling is chosen for the sample's tokens (it runs any tokens_sum).
         self._sample_tokens = operand_dims(t["a_tensor"], "a_tensor", "a", request.a_major)[1]
         self.validate_offsets = validate_offsets
@@ -228,9 +233,13 @@ class GroupedGemmWgrad:
                     request = dataclasses.replace(request,
                                                   arch=plans.target_arch(self._device_id))
                 _sf_override_unsupported(self.sf_fp8_dtype_override, request.arch)
+                if plans.tuner is not None and not request.is_cpu:
+                    request = plans.tuner(request, self._sample_tokens, self._device_id,
+                                          self._samples)
                 self._spec, self._backend = plans.finalize(request, self._sample_tokens)
             except NAMED_ERRORS as exc:
                 raise exc.renamed(_SAMPLE_NAMES) from None
+            self._samples = None
         return True
 
     def compile(self) -> None:

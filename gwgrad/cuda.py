@@ -231,3 +231,24 @@ def host_alloc_mapped(nbytes: int) -> int:
 def device_synchronize(device_id: int) -> None:
     with on_device(device_id):
         _call("cudaDeviceSynchronize", _runtime().cudaDeviceSynchronize)
+
+
+def event_create():
+    """A CUDA event that records time, on the current device (``event_destroy`` frees it)."""
+    return _call("cudaEventCreate", _runtime().cudaEventCreate)
+
+
+def event_record(event, stream: int) -> None:
+    """Enqueue recording ``event`` on ``stream``."""
+    _call("cudaEventRecord", _runtime().cudaEventRecord, event, stream)
+
+
+def event_elapsed_ms(start, end) -> float:
+    """Milliseconds between two recorded events, once ``end`` has completed (waits for it)."""
+    rt = _runtime()
+    _call("cudaEventSynchronize", rt.cudaEventSynchronize, end)
+    return float(_call("cudaEventElapsedTime", rt.cudaEventElapsedTime, start, end))
+
+
+def event_destroy(event) -> None:
+    _call("cudaEventDestroy", _runtime().cudaEventDestroy, event)

@@ -61,7 +61,8 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 from . import cuda as _cuda
 
 __all__ = ["KernelFunction", "XlaModule", "load_or_compile", "load_or_compile_module",
-           "entry_key", "cache_dir", "stats", "clear_memory", "remembered", "SOURCES"]
+           "entry_key", "cache_dir", "usable_cache_dir", "write_atomic", "stats", "clear_memory",
+           "remembered", "SOURCES"]
 
 FORMAT = 1
 #: Argument kinds of a signature: an 8-byte pointer, an int32, the CUDA stream (exactly one).
@@ -164,6 +165,13 @@ def _usable_cache_dir() -> Optional[Path]:
     return directory if usable else None
 
 
+def usable_cache_dir() -> Optional[Path]:
+    """The disk cache's directory when it is on and can be written (created if needed), else
+    None (off; or unwritable, with one warning). What gwgrad keeps beside its kernels (device
+    facts, gwgrad.autotune's winners) goes there."""
+    return _usable_cache_dir()
+
+
 def _scratch_dir() -> Path:
     """A private directory for the binaries of a process without a disk cache."""
     global _scratch
@@ -256,7 +264,7 @@ def remembered(fact: str, learn: Callable[[], Tuple[int, bool]]) -> int:
                 with _key_lock(directory, "device-facts"):
                     stored = _read_facts(directory)  # another process may have added some
                     stored[fact] = value
-                    _write_atomic(directory / FACTS_FILE,
+                    write_atomic(directory / FACTS_FILE,
                                   json.dumps(stored, indent=1, sort_keys=True).encode())
         _facts[fact] = value
         return value
@@ -392,8 +400,9 @@ def _linker() -> Optional[str]:
     return None
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``path`` through a temporary file of its folder and ``os.replace``."""
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``path`` through a temporary file of its folder and ``os.replace``: a reader sees
+    the old file or the new one, never a part."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -428,8 +437,8 @@ def _write_and_load(directory: Path, key: str, signature: Tuple[str, ...],
         with contextlib.suppress(_BadEntry):
             return _open_entry(directory, key, signature)
         _remove(directory, key)
-        _write_atomic(directory / meta["binary"], data)
-        _write_atomic(directory / f"{key}.json", json.dumps(meta, indent=1).encode())
+        write_atomic(directory / meta["binary"], data)
+        write_atomic(directory / f"{key}.json", json.dumps(meta, indent=1).encode())
         try:
             return KernelFunction(_load_binary(directory / meta["binary"], meta), key,
                                   signature, meta)
@@ -585,8 +594,8 @@ def _store_module(key: str, meta: Dict[str, Any], data: bytes) -> XlaModule:
                 with contextlib.suppress(_BadEntry):
                     return _open_module(directory, key)
                 _remove(directory, key)
-                _write_atomic(directory / meta["binary"], data)
-                _write_atomic(directory / f"{key}.json", json.dumps(meta, indent=1).encode())
+                write_atomic(directory / meta["binary"], data)
+                write_atomic(directory / f"{key}.json", json.dumps(meta, indent=1).encode())
         except OSError as exc:  # disk full, permissions changed...
             warnings.warn(f"gwgrad kernel cache: writing to {directory} failed ({exc}); this "
                           "module is kept in memory only", RuntimeWarning, stacklevel=3)

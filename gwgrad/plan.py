@@ -14,7 +14,9 @@
 
 Every entry point uses these: the contract's wrapper and class (``gwgrad.api``), the torch /
 CuPy adapters (which key plans by their own cheap signatures), ``gwgrad.quantize`` and the
-benchmarks. The JAX adapter's custom calls take their kernel from a compiled operator too:
+benchmarks. The autotuner (``gwgrad.autotune``, opt-in) enters at one point: ``tuner``, called
+when a CUDA call's plan is built (a plan miss, never on the per-call path), may replace the
+request's open tiling with a timed winner. The JAX adapter's custom calls take their kernel from a compiled operator too:
 ``ffi_gemm`` / ``ffi_quantizer`` give the operator's XLA FFI module (its workspace, grid and
 options the operator's), kept on disk by gwgrad.kernel_cache, so a JAX process that finds it
 there neither compiles nor imports the CuTe DSL.
@@ -25,7 +27,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from typing import Any, Dict, Optional, Tuple
+import weakref
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from . import backends, cuda, grid, interop, kernel_cache, offsets as offsets_rules, status
 from .backends.base import Backend, LaunchArgs
@@ -38,7 +41,7 @@ from .tensors import TensorDesc
 from .validation import build_spec, check_call, operand_dims, scale_capacity
 
 __all__ = ["CompiledOperator", "LaunchPlan", "PlanCache", "compile_spec", "plan_for",
-           "plan_for_spec", "cache_info", "clear_cache", "workspace_bytes_bound",
+           "plan_for_spec", "call_request", "cache_info", "clear_cache", "forget_plans", "workspace_bytes_bound",
            "WORKSPACE_ZEROED_BYTES", "target_arch", "finalize", "QuantizeRequest",
            "CompiledQuantizer", "QuantizePlan", "compile_quantizer", "quantize_plan",
            "ffi_gemm", "ffi_quantizer", "ffi_status_words"]
@@ -59,6 +62,8 @@ class PlanCache:
         self._entries: Dict[tuple, Any] = {}
         #: ``get`` bound once: the per-call paths call it directly.
         self.get = self._entries.get
+        with _lock:
+            _every_cache.add(self)  # forget_plans() empties every one
 
     def __setitem__(self, key, value) -> None:
         entries = self._entries
@@ -79,6 +84,7 @@ class PlanCache:
         self._entries.clear()
 
 
+_every_cache: "weakref.WeakSet[PlanCache]" = weakref.WeakSet()
 _lock = threading.RLock()
 _compiled: Dict[StaticSpec, "CompiledOperator"] = {}
 _plans = PlanCache()
@@ -86,6 +92,15 @@ _plans = PlanCache()
 #: (gwgrad.interop.quick) and the call's static arguments.
 call_plans = PlanCache()
 _counters = {"constructed": 0, "compiled": 0, "plans": 0}
+#: The autotuner's hook, installed by gwgrad.autotune when it is imported (importing gwgrad
+#: does): ``tuner(request, tokens_sum, device_id, tensors) -> request`` for a CUDA call whose
+#: plan is being built (``tensors``: the call's a, b, offsets, sfa, sfb, global_scale_a,
+#: global_scale_b descriptors, or None where only their layout is known). It returns the
+#: request itself, or the request with the tiling its autotuner chose.
+tuner: Optional[Callable[..., StaticSpec]] = None
+#: The autotuner's choices in this process, by (request, tokens_sum, device id): kept here so
+#: that ``clear_cache`` forgets them with the plans they shaped (gwgrad.autotune fills it).
+tuned: Dict[tuple, Any] = {}
 
 
 def cache_info() -> Dict[str, int]:
@@ -96,12 +111,23 @@ def cache_info() -> Dict[str, int]:
 
 
 def clear_cache() -> None:
-    """Forget every compiled operator and plan (the disk cache is unaffected)."""
+    """Forget every compiled operator and plan, and the autotuner's choices (the disk cache,
+    its persisted winners included, is unaffected)."""
     with _lock:
         _compiled.clear()
         _plans.clear()
         call_plans.clear()
         _quantize_plans.clear()
+        tuned.clear()
+
+
+def forget_plans() -> None:
+    """Empty every plan cache (``PlanCache``: the core's, the adapters', each operator's), so
+    that the next call of every signature builds its plan again: after the autotuner chose a
+    new tiling for a signature that already had a plan. Compiled operators are kept."""
+    with _lock:
+        for cache in list(_every_cache):
+            cache.clear()
 
 
 def count(event: str) -> None:
@@ -380,7 +406,8 @@ def plan_for(a: TensorDesc, b: TensorDesc, offsets: TensorDesc, *,
     the caller allocates it before launching: pass a descriptor of the layout it will have).
 
     The first call with a signature runs the contract's full check (``build_spec``) and finds
-    or compiles the operator; later calls with the same signature cost a dict lookup. The
+    or compiles the operator (with the autotuner's tiling when ``tuner`` has one for a CUDA
+    call: gwgrad.autotune); later calls with the same signature cost a dict lookup. The
     target architecture (the device's, or ``CUTE_DSL_ARCH``) is read when a plan is built.
     """
     key = (interop.signature(a), interop.signature(b), interop.signature(offsets), interop.signature(wgrad),
@@ -394,6 +421,36 @@ def plan_for(a: TensorDesc, b: TensorDesc, offsets: TensorDesc, *,
         plan, key = None, None
     if plan is not None:
         return plan
+    request, tokens_sum = call_request(
+        a, b, offsets, wgrad=wgrad, wgrad_ptrs=wgrad_ptrs, output_mode=output_mode,
+        wgrad_dtype=wgrad_dtype, accumulate_on_output=accumulate_on_output,
+        input_order=input_order, mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn,
+        acc_dtype=acc_dtype, sf_vec_size=sf_vec_size, sfa=sfa, sfb=sfb,
+        global_scale_a=global_scale_a, global_scale_b=global_scale_b, scale_recipe=scale_recipe)
+    if tuner is not None and a.is_cuda:  # the autotuner's winner, if it has one (a plan miss)
+        request = tuner(request, tokens_sum, a.device_id,
+                        (a, b, offsets, sfa, sfb, global_scale_a, global_scale_b))
+    plan = LaunchPlan(compile_spec(request, tokens_sum), a, b, offsets, wgrad, wgrad_ptrs,
+                      (sfa, sfb, global_scale_a, global_scale_b))
+    if key is not None:
+        with _lock:
+            _plans[key] = plan
+    return plan
+
+
+def call_request(a: TensorDesc, b: TensorDesc, offsets: TensorDesc, *,
+                 wgrad: Optional[TensorDesc] = None, wgrad_ptrs: Optional[TensorDesc] = None,
+                 output_mode: str = "dense", wgrad_dtype: Any = None,
+                 accumulate_on_output: bool = False, input_order: str = "tensor2d",
+                 mma_tiler_mn: Any = None, cluster_shape_mn: Any = None,
+                 acc_dtype: Any = DType.FLOAT32, sf_vec_size: int = 16,
+                 sfa: Optional[TensorDesc] = None, sfb: Optional[TensorDesc] = None,
+                 global_scale_a: Optional[TensorDesc] = None,
+                 global_scale_b: Optional[TensorDesc] = None,
+                 scale_recipe: Optional[str] = None) -> Tuple[StaticSpec, int]:
+    """``(request, tokens_sum)`` of a call (``plan_for``'s arguments): the contract's full check
+    (``build_spec``, ``ArgumentError`` naming the argument), the target architecture read now,
+    the tiling as given."""
     request = build_spec(
         a=a, b=b, offsets=offsets, sfa=sfa, sfb=sfb, global_scale_a=global_scale_a,
         global_scale_b=global_scale_b, output_mode=output_mode, wgrad=wgrad,
@@ -401,13 +458,7 @@ def plan_for(a: TensorDesc, b: TensorDesc, offsets: TensorDesc, *,
         mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn, sf_vec_size=sf_vec_size,
         accumulate=accumulate_on_output, input_order=input_order, arch=backends.detect_arch,
         scale_recipe=scale_recipe)
-    tokens_sum = operand_dims(a, "a_tensor", "a", request.a_major)[1]
-    plan = LaunchPlan(compile_spec(request, tokens_sum), a, b, offsets, wgrad, wgrad_ptrs,
-                      (sfa, sfb, global_scale_a, global_scale_b))
-    if key is not None:
-        with _lock:
-            _plans[key] = plan
-    return plan
+    return request, operand_dims(a, "a_tensor", "a", request.a_major)[1]
 
 
 def plan_for_spec(operator: CompiledOperator, a: TensorDesc, b: TensorDesc,

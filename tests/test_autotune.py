@@ -81,8 +81,12 @@ def test_the_cap_keeps_the_default_and_drops_the_padded_and_the_small():
 
     request = spec("sm_90a", hidden=4096, intermediate=4096, experts=8)
     found = at.candidates(request, 8 * 4096)
-    assert len(found) == at.MAX_CANDIDATES < 21  # the SM90 BF16 table: 7 tiles x 3 clusters
-    assert all(s.mma_tiler_mn != (64, 128) for s in found)
+    every = at.candidates(request, 8 * 4096, limit=100)  # the SM90 BF16 table: 6 tiles x 3
+    assert len(found) == at.MAX_CANDIDATES < len(every)
+    area = lambda s: at._unit(s)[0] * at._unit(s)[1]  # noqa: E731
+    dropped = [s for s in every if s not in found]
+    assert max(map(area, dropped)) <= min(map(area, found[1:]))  # the smallest units go
+    assert ((64, 128), (1, 1)) in {(s.mma_tiler_mn, s.cluster_shape_mn) for s in dropped}
     three = at.candidates(request, 8 * 4096, limit=3)
     assert three == found[:3]
     assert at.candidates(request, 8 * 4096, limit=1) == found[:1]

@@ -16,9 +16,10 @@ medians):
   FLOPs (hidden x intermediate x tokens_sum): the compute ceiling;
 * QuACK (``quack-kernels``, the ``bench`` extra), when importable: its varlen-K GEMM
   ``quack.gemm_interface.gemm(A=x.T, B=dy, out=w, cu_seqlens_k=...)`` with its default
-  config (``quack_default``: ``tuned=False``) and with its autotuner (``quack_tuned``), the
-  autotuner's in-memory cache cleared per row so that each row (each token distribution) is
-  tuned on its own tokens, untimed, before the row's samples;
+  config (``quack_default``: ``tuned=False``) and with its autotuner (``quack_tuned``), which
+  times its SM90 configs on the first call of a shape (untimed here) and keeps the winner in
+  memory and on disk (``$QUACK_CACHE_DIR``) by the tensors' shapes: the zipf row of a shape
+  reuses the winner of its uniform row, as a training process would;
 * ``copy``: a large device-to-device copy (bytes read + written): the HBM bandwidth, for the
   rows with many small experts, whose ceiling is the HBM roofline (see shapes.json's "about").
 
@@ -392,15 +393,12 @@ class RowInputs:
 
     def quack(self, tuned: bool):
         """QuACK's varlen-K GEMM into a BF16 output of its own: ``tuned`` with its autotuner
-        (its in-memory winners cleared first: this row is tuned on its own tokens), else its
-        default config."""
+        (its winner for these shapes), else its default config."""
         import torch
-        from quack.gemm_interface import gemm, gemm_tuned
+        from quack.gemm_interface import gemm
 
         if self.accumulate:
             raise NotImplementedError("QuACK is timed on the BF16-output rows only")
-        if tuned:
-            gemm_tuned.cache.clear()
         cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int32, device=self.device),
                                 self.offsets])
         a, b = self.a, self.b

@@ -4,9 +4,9 @@ representative set of small gwgrad calls, and check every result against float64
 
 The cases (``--list`` prints them; building them needs no GPU):
 
-* the SM90 BF16 kernel in each tile the backend can pick: cooperative 128x256, 256x128,
-  128x192 and pingpong 128x128, 64x256, 64x128 (``mma_tiler_mn``: kernels/tiling.py's
-  SM90_TILES picks the schedule; the default is pingpong 128x128 below 4096 output tiles);
+* the SM90 BF16 kernel in each tile the backend can pick: cooperative 128x256, 256x128 and
+  pingpong 128x192, 128x128, 64x256, 64x128 (``mma_tiler_mn``: kernels/tiling.py's
+  SM90_TILES picks the schedule);
 * each mode once: dense / discrete, accumulate, fp32 / bf16 / fp16 outputs, tensor_ragged, each
   (a_major, b_major), the class API and the torch adapter, tiny dims, all-empty experts;
 * the SM90 FP8 kernel for each recipe (per_expert_channel, block_1x128, MXFP8 blocked) in its

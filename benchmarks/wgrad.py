@@ -596,7 +596,7 @@ def check_row(row: Dict, inp: RowInputs, fns: Dict[str, Callable[[], object]],
             del grouped
         except Exception as exc:  # noqa: BLE001
             row.setdefault("check_errors", {})["torch_grouped_mm"] = _error(exc)
-    for name in ("quack_default", "quack_tuned"):  # a competitor that is wrong is not faster
+    for name in ("quack_default", "quack_tuned"):  # a wrong competitor's speed is flagged
         if name in fns and "error" not in row["methods"].get(name, {}):
             try:
                 nonempty = torch.tensor([c > 0 for c in inp.counts], device=ref.device)
@@ -604,6 +604,8 @@ def check_row(row: Dict, inp: RowInputs, fns: Dict[str, Callable[[], object]],
                 fns[name]()
                 sync()
                 errs[name] = _rel_err(inp.outs[name], ref, nonempty)
+                if not errs[name] < CHECK_TOLERANCE:
+                    row.setdefault("peer_check_failed", []).append(name)
             except Exception as exc:  # noqa: BLE001
                 row.setdefault("check_errors", {})[name] = _error(exc)
     if "gwgrad" in errs:
@@ -766,6 +768,8 @@ def summary(rows: List[Dict]) -> Dict:
             f"{r['name']}/{r['dist']}": r["hbm"]["fraction"]["gwgrad"] for r in rows
             if r.get("small_experts") and "gwgrad" in r.get("hbm", {}).get("fraction", {})},
         "check_failed": [f"{r['name']}/{r['dist']}" for r in rows if r.get("check_failed")],
+        "peer_check_failed": [f"{r['name']}/{r['dist']}: {', '.join(r['peer_check_failed'])}"
+                              for r in rows if r.get("peer_check_failed")],
         "errors": [f"{r['name']}/{r['dist']}: {k}: {v['error'][:200]}" for r in rows
                    for k, v in r.get("methods", {}).items() if "error" in v]
                   + [f"{r['name']}/{r['dist']}: {r['error'][:200]}" for r in rows if "error" in r],
@@ -792,6 +796,9 @@ def format_summary(s: Dict) -> str:
         lines.append(f"HBM roofline reached, {key}{mode}: {100 * frac:.1f}%")
     if s.get("check_failed"):
         lines.append("CHECK FAILED: " + ", ".join(s["check_failed"]))
+    if s.get("peer_check_failed"):
+        lines.append("a competitor's result is wrong (its ratio means nothing): "
+                     + "; ".join(s["peer_check_failed"]))
     for e in s.get("errors", [])[:20]:
         lines.append("error: " + e)
     return "\n".join(lines)

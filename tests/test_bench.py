@@ -351,6 +351,46 @@ def test_check_row_flags_a_wrong_result():
     assert row["check_failed"] == ["wrapper"] and row["rel_err"]["wrapper"] == pytest.approx(1.0)
 
 
+def test_a_wrong_competitor_is_flagged():
+    """QuACK's outputs are checked like gwgrad's (against the loop, experts with tokens): a
+    wrong one is named in the row and the summary, its speed ratio flagged as meaningless."""
+    pytest.importorskip("torch")
+    row = bench.new_row(SHAPE, "uniform")
+    inp = bench.RowInputs(SHAPE, "uniform", 256, device="cpu")
+    fns, default = bench.build_methods(inp, [], row)
+    assert "quack_default" in inp.outs and "quack_tuned" in inp.outs
+    loop = inp.mm_loop()
+    ref = inp.outs["reference"]
+
+    def right():
+        loop()
+        inp.outs["quack_default"].copy_(ref)
+
+    fns["quack_default"] = right
+    fns["quack_tuned"] = lambda: inp.outs["quack_tuned"].fill_(1.0)
+    bench.check_row(row, inp, fns, default)
+    assert row["rel_err"]["quack_default"] < bench.CHECK_TOLERANCE
+    assert row["peer_check_failed"] == ["quack_tuned"] and "check_failed" not in row
+    s = bench.summary([row])
+    assert s["peer_check_failed"] == ["tiny/uniform: quack_tuned"]
+    assert "competitor's result is wrong" in bench.format_summary(s)
+
+
+def test_quack_ratios_and_the_peer_summary():
+    fast = _row({"gwgrad_128x128": 0.40, "quack_default": 0.44, "quack_tuned": 0.38,
+                 "torch_grouped_mm": 0.6})
+    slow = _row({"gwgrad_128x128": 0.40, "quack_default": 0.36, "quack_tuned": 0.50})
+    assert fast["ratio_vs_quack_default"] == pytest.approx(1.1)
+    assert fast["ratio_vs_quack_tuned"] == pytest.approx(0.95)
+    peers = bench.summary([fast, slow])["peers"]
+    assert peers["quack_tuned"]["min"] == pytest.approx(0.95) and peers["quack_tuned"]["rows"] == 2
+    assert peers["quack_default"]["geomean"] == pytest.approx(math.sqrt(1.1 * 0.9))
+    assert peers["torch_grouped_mm"]["rows"] == 1 and peers["dense_cublas"] is None
+    assert "gwgrad / quack_tuned: geomean" in bench.format_summary(bench.summary([fast, slow]))
+    table = format_table([fast])
+    assert "x qkT" in table and "1.10" in table and "0.95" in table
+
+
 def test_arguments_and_row_selection():
     args = bench.parser().parse_args([])
     assert args.dist == "uniform,zipf" and args.tiles == "128x256,128x128"

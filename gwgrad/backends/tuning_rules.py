@@ -43,21 +43,20 @@ from ..kernels.tiling import SM90_FP8_TILES, SM90_TILES, UNIT_SCHEDULES, epi_buf
 from ..spec import TUNING_FIELDS, StaticSpec, Tuning
 
 
-def pair_fits(extent: int) -> bool:
-    """Whether a pair of 128-wide CTA tiles along an output extent (``intermediate``: a 1x2
-    pair; ``hidden``: a 2x1 pair) covers it with at most 1/16 of the pairs' CTAs idle (an odd
-    count of 128-wide tiles leaves the last pair's second CTA without a tile: it computes and
-    stores nothing)."""
-    tiles = -(-extent // 128)
+def pair_fits(extent: int, width: int = 128) -> bool:
+    """Whether a pair of ``width``-wide CTA tiles along an output extent (``intermediate``: a
+    1x2 pair; ``hidden``: a 2x1 pair) covers it with at most 1/16 of the pairs' CTAs idle (an
+    odd count of tiles leaves the last pair's second CTA without a tile: it computes and stores
+    nothing)."""
+    tiles = -(-extent // width)
     return tiles >= 2 and (tiles % 2 == 0 or tiles >= 16)
 
 
 def fits192(extent: int) -> bool:
     """Whether 192-wide tiles along ``extent`` (a 128x192 tile's columns) pad it by at most 1%
     (the tile quantization: a 192-wide tile past the extent computes and stores columns that do
-    not exist) and come in a count a CTA pair covers (``pair_fits``' rule, in 192-wide tiles)."""
-    tiles = -(-extent // 192)
-    return tiles * 192 * 100 <= extent * 101 and tiles >= 2 and (tiles % 2 == 0 or tiles >= 16)
+    not exist) and come in a count a CTA pair covers (``pair_fits`` in 192-wide tiles)."""
+    return -(-extent // 192) * 192 * 100 <= extent * 101 and pair_fits(extent, 192)
 
 
 class Problem:

@@ -330,3 +330,73 @@ def test_zero_fill_copies_a_shared_zero_line(tile, cluster, mode):
     tail = gemm[copy:copy + 400]
     assert re.search(rf"cp\.async\.bulk\.wait_group\.read\s+{ZERO_IN_FLIGHT};", tail)
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", gemm[copy:])
+
+
+def _epilogue_run_mismatches(kernel, threads):
+    """(thread, sub-tile, value, its accumulator coordinate, its sub-tile coordinate) of every
+    value of ``threads`` whose accumulator element (the tiled MMA's C partition of the CTA
+    tile, retiled by the kernel's epilogue copy) is not where the epilogue stages it: value v
+    of run i of a thread's retiled accumulator (RegisterAccumulator.load) goes to sub-tile i
+    (row-major over the epi_tile sub-tiles of the rows its epilogue stores:
+    RegisterAccumulator.target) at the copy's v-th position (partition_S of a sub-tile).
+    Called while tracing (the layouts are static); plain Python, not a @cute.jit body."""
+    import cutlass.cute as cute
+
+    tiled_mma = kernel.tiled_mma
+    copy = kernel.epilogue_copy(tiled_mma)
+    (epi_m, epi_n), cta = kernel.epi_tile, (kernel.cta_m, kernel.cta_n)
+    rows = 64 if kernel.coop_split else kernel.cta_m  # what one epilogue stores
+    n_sub = kernel.cta_n // epi_n
+    subtiles = rows // epi_m * n_sub
+    bad = []
+    for t in threads:
+        epi_t = t % 128 if kernel.pingpong or kernel.coop_split else t
+        row0 = 64 * (t // 128) if kernel.coop_split else 0
+        acc = copy.retile(tiled_mma.get_slice(t).partition_C(cute.make_identity_tensor(cta)))
+        sub = copy.get_slice(epi_t).partition_S(cute.make_identity_tensor((epi_m, epi_n)))
+        size = cute.size(sub)
+        assert size * subtiles == cute.size(acc), (size, subtiles, cute.size(acc))
+        (ai, aj), (si, sj) = acc.iterator, sub.iterator
+        for i in range(subtiles):
+            r0, c0 = row0 + i // n_sub * epi_m, i % n_sub * epi_n
+            for v in range(size):
+                (a, b), (s, u) = acc.layout(i * size + v), sub.layout(v)
+                got, want = (ai + a, aj + b), (r0 + si + s, c0 + sj + u)
+                assert all(isinstance(x, int) for x in got + want), (got, want)
+                if got != want:
+                    bad.append((t, i, v, got, want))
+    return bad
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("tile,out,sets", [
+    ((192, 128), "bfloat16", 1), ((192, 128), "bfloat16", 2), ((192, 128), "float32", 1),
+    ((128, 192), "bfloat16", 1), ((128, 128), "float32", 1), ((64, 256), "bfloat16", 1),
+    ((64, 128), "bfloat16", 1), ((128, 256), "bfloat16", 1), ((128, 256), "bfloat16", 2),
+    ((256, 128), "float32", 1),
+], ids=lambda v: f"{v[0]}x{v[1]}" if isinstance(v, tuple) else str(v))
+def test_epilogue_sub_tiles_are_the_accumulator_runs(tile, out, sets):
+    """The epilogue reads a thread's accumulator in runs, run i staged as sub-tile i: for the
+    tile's MMA and epilogue copy (traced, no kernel), every value of sampled threads of each
+    warp is staged at its own output coordinate, for one to three m64 WGMMA atoms a pingpong
+    group (64, 128, 192 rows), the cooperative tiles and their per-group epilogues
+    (coop_split), 16-bit and FP32 sub-tiles."""
+    from gwgrad.backends import finalize_spec
+    from gwgrad.kernels import compiler
+
+    final, backend = finalize_spec(spec("sm_90a", tile=tile, cluster=(1, 1), out=out)
+                                   .with_tuning(epi_buffer_sets=sets))
+    kernel = backend.make_kernel(final)
+    threads = [w * 32 + lane for w in range(8 if kernel.cfg.schedule == "cooperative" else 4)
+               for lane in (0, 5, 30)]
+    found = {}
+
+    import cutlass.cute as cute
+
+    @cute.jit
+    def trace():
+        kernel._setup()
+        found["bad"] = _epilogue_run_mismatches(kernel, threads)
+
+    compiler.compile_entry(trace, lambda: [], compiler.compile_options("sm_90a"))
+    assert found["bad"] == [], found["bad"][:5]

@@ -871,17 +871,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         """The consumer's epilogue (register -> shared memory with stmatrix): (the
         SubtileStore, the accumulator retiled for its copy, one sub-tile's FP32 registers)."""
         per_group = self.pingpong or self.coop_split
-        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
-            self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
-        )
-        copy_atom_c = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
-        )
-        epi_mma = tiled_mma
-        if cutlass.const_expr(self.coop_split):
-            epi_mma = self.make_tiled_mma(groups=1)
-        tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, epi_mma)
-        tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
+        tiled_copy_r2s = self.epilogue_copy(tiled_mma)
         thr_copy_r2s = tiled_copy_r2s.get_slice(epi_tidx)
         tRS_sC = thr_copy_r2s.partition_D(sC)
         tRS_rAcc = tiled_copy_r2s.retile(acc)
@@ -897,6 +887,22 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         subtile_store = SubtileStore(self.c_dtype, tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c,
                                      self.epi_stage, store_pipeline, epi_bar)
         return subtile_store, tRS_rAcc, tRS_rSub
+
+    def epilogue_copy(self, tiled_mma):
+        """The epilogue's register -> shared-memory copy (stmatrix) of the accumulator of
+        ``tiled_mma`` (with coop_split, of one group's 64 rows). Retiled with it, a thread's
+        accumulator holds sub-tile i (row-major over the tile's epi_tile sub-tiles) as its
+        i-th run of values, what RegisterAccumulator reads (tests/test_compile_sm90.py checks
+        it for each tile)."""
+        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
+            self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
+        )
+        copy_atom_c = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
+        )
+        epi_mma = self.make_tiled_mma(groups=1) if self.coop_split else tiled_mma
+        tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, epi_mma)
+        return cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
 
     def group_orders(self, mma_group):
         """Pingpong and coop_split hand-offs between the consumer groups, (MMA_ORDER, its

@@ -18,7 +18,7 @@ arguments) or ``GWGRAD_AUTOTUNE=1`` times the candidates on the call's own opera
   than the least padded one (a tile that computes a quarter of padding does not win), at most
   ``MAX_CANDIDATES`` in all (each costs a compile, seconds, on the first tuning of a
   signature), in eighths of padding, least first, then larger cluster tiles first (fewer
-  operand bytes per FLOP); only the SM90 BF16 table reaches the cap (18 tilings on a shape
+  operand bytes per FLOP); only the SM90 BF16 table reaches the cap (21 tilings on a shape
   that pads little), where it drops the smallest cluster tiles (64x128 on one CTA first; the
   default stays whatever it is). SM100 BF16 runs more tile widths
   than its table's (multiples of 32): the tuner tries the table's four (N 128 or 256).

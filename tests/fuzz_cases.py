@@ -14,8 +14,8 @@ the test's random one; the slot plan below makes it hold for any seed):
   about 60% not multiples of 128; 1..512 experts; every (a_major, b_major) of ("m"|"k",
   "n"|"k"); tensor2d / tensor_ragged; dense / discrete outputs; bf16 / fp16 / fp32 outputs;
   accumulate on / off; the default tiling and every SM90 tile (cooperative 128x256, 256x128;
-  pingpong 128x192, 128x128, 64x256, 64x128), with CTA pairs (1x2, 2x1) on every other spec
-  of the tiles that run them (SM90_BF16_CLUSTERS).
+  pingpong 128x192, 192x128, 128x128, 64x256, 64x128), with CTA pairs (1x2, 2x1) on every
+  other spec of the tiles that run them (SM90_BF16_CLUSTERS).
 * FP8 specs (K-major operands only): the SM90 recipes ``per_expert_channel``, ``block_1x128`` and
   MXFP8 ``blocked``; e4m3 / e5m2 (mixed for the FP32 recipes); with and without global scales;
   every SM90 FP8 tile; operands drawn directly (random codes and scales) or produced by
@@ -96,13 +96,14 @@ RECIPES = ("per_expert_channel", "block_1x128", "blocked")
 FP32_RECIPES = ("per_expert_channel", "block_1x128")
 FP8_FORMATS = ("e4m3", "e5m2")
 #: gwgrad/kernels/tiling.py's SM90_TILES / SM90_FP8_TILES (a CPU test keeps them equal).
-SM90_BF16_TILES = ((128, 256), (256, 128), (128, 192), (128, 128), (64, 256), (64, 128))
+SM90_BF16_TILES = ((128, 256), (256, 128), (128, 192), (192, 128), (128, 128), (64, 256),
+                   (64, 128))
 SM90_FP8_TILES = ((128, 128), (128, 192), (64, 128), (64, 192))
 #: SM90 BF16 tiles -> the CTA clusters the fuzz gives every other spec of that tile in turn
 #: (the pairs tests/test_sm90_kernel_gpu.py runs; a cluster's unit is its CTAs' tiles side
 #: by side, so small outputs put a CTA's part past the output).
 SM90_BF16_CLUSTERS = {(128, 256): ((1, 2), (2, 1)), (128, 128): ((1, 2), (2, 1)),
-                      (128, 192): ((1, 2), (2, 1))}
+                      (128, 192): ((1, 2), (2, 1)), (192, 128): ((1, 2), (2, 1))}
 DISTS = ("random", "uniform", "zipf", "one_hot", "sparse", "unaligned", "huge", "tiny",
          "all_empty")
 INVALID_KINDS = ("decreasing", "last", "multiple", "scales")

@@ -64,31 +64,45 @@ def test_every_mode_compiles(majors, order, mode, out, acc):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("tile", [(128, 256), (256, 128), (128, 192), (128, 128), (64, 256),
-                                  (64, 128)], ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("tile", [(128, 256), (256, 128), (128, 192), (192, 128), (128, 128),
+                                  (64, 256), (64, 128)], ids=lambda t: f"{t[0]}x{t[1]}")
 def test_every_tile_compiles(tile):
+    from gwgrad.kernels.tiling import SM90_TILES
+
     ptx = compile_ptx(spec("sm_90a", tile=tile, cluster=(1, 1)))
     check_hopper_ptx(ptx, False)
-    if tile in ((128, 192), (128, 128), (64, 256), (64, 128)):  # pingpong: ordered hand-off
+    if SM90_TILES[tile] == "pingpong":  # ordered hand-off
         assert "bar.arrive" in ptx
+    # One WGMMA per m64 atom of a consumer group's rows, per K step of 16 (a K-block of 64).
+    group_rows = tile[0] if SM90_TILES[tile] == "pingpong" else tile[0] // 2
+    assert ptx.count("wgmma.mma_async") == group_rows // 64 * 4
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("tile,cluster,out,acc", [
-    ((128, 192), (1, 2), "bfloat16", False),
-    ((128, 192), (2, 1), "float16", False),
-    ((128, 192), (1, 1), "float32", True),
-], ids=["1x2-bf16", "2x1-f16", "f32-acc"])
-def test_192_accumulator_tile_spills_nothing(tile, cluster, out, acc):
-    """The pingpong 128x192 tile, whose consumer threads hold 192 FP32 accumulators (of
-    their 232 registers): ptxas keeps every value in registers (no local-memory stack frame),
-    in the 16-bit store path and in the FP32 reduce-add one. (A 128x256 pingpong tile, 256
-    accumulators, spills about 2 KB a thread.)"""
+@pytest.mark.parametrize("tile,cluster,out,acc,kw", [
+    ((128, 192), (1, 2), "bfloat16", False, {}),
+    ((128, 192), (2, 1), "float16", False, {}),
+    ((128, 192), (1, 1), "float32", True, {}),
+    ((192, 128), (1, 1), "bfloat16", False, {}),
+    ((192, 128), (1, 2), "bfloat16", False, {}),
+    ((192, 128), (2, 1), "float16", False, {}),
+    ((192, 128), (1, 1), "float32", True, {}),
+    ((192, 128), (1, 2), "float32", True, dict(a_major="k", mode="discrete")),
+    ((192, 128), (2, 1), "float32", True, dict(b_major="k")),
+], ids=["1x2-bf16", "2x1-f16", "f32-acc", "192x128-bf16", "192x128-1x2-bf16",
+        "192x128-2x1-f16", "192x128-f32-acc", "192x128-1x2-f32-acc-ak-discrete",
+        "192x128-2x1-f32-acc-bk"])
+def test_192_accumulator_tile_spills_nothing(tile, cluster, out, acc, kw):
+    """The pingpong 128x192 and 192x128 tiles, whose consumer threads hold 192 FP32
+    accumulators (of their 232 registers): ptxas keeps every value in registers (no
+    local-memory stack frame), in the 16-bit store path and in the FP32 reduce-add one, on
+    one CTA and on both pairs. (A 128x256 pingpong tile, 256 accumulators, spills about 2 KB
+    a thread.)"""
     from kernel_compile import compile_cubin, cubin_resources
 
     res = cubin_resources(compile_cubin(spec("sm_90a", hidden=2880, intermediate=5760,
                                              experts=32, tile=tile, cluster=cluster, out=out,
-                                             acc=acc)))
+                                             acc=acc, **kw)))
     assert res["regs"] and res["frame"], res
     assert max(res["frame"]) == 0, f"ptxas spilled to a local-memory frame: {res}"
 
@@ -96,7 +110,8 @@ def test_192_accumulator_tile_spills_nothing(tile, cluster, out, acc):
 @pytest.mark.parametrize("tile,cluster,match", [
     ((128, 96), (1, 1), "mma_tiler_mn"),
     ((256, 256), (1, 1), "mma_tiler_mn"),  # 256 accumulator registers per thread
-    ((192, 128), (1, 1), "mma_tiler_mn"),
+    ((192, 192), (1, 1), "mma_tiler_mn"),  # 288 accumulator registers per thread
+    ((192, 64), (1, 1), "mma_tiler_mn"),
     ((256, 192), (1, 1), "mma_tiler_mn"),
     ((128, 256), (2, 4), "cluster_shape_mn"),
     ((128, 128), (4, 1), "cluster_shape_mn"),
@@ -127,8 +142,8 @@ def _last_batch_segments(ptx: str):
 @pytest.mark.compile
 @pytest.mark.parametrize("tile, cluster, early", [
     ((128, 128), (1, 1), True), ((128, 128), (1, 2), True), ((64, 128), (1, 1), True),
-    ((128, 256), (1, 1), False),
-], ids=["pingpong", "pingpong-1x2", "pingpong-64x128", "cooperative"])
+    ((192, 128), (2, 1), True), ((128, 256), (1, 1), False),
+], ids=["pingpong", "pingpong-1x2", "pingpong-64x128", "pingpong-192x128-2x1", "cooperative"])
 def test_pingpong_hands_off_before_the_last_batch_completes(tile, cluster, early):
     """Pingpong: a group hands the tensor cores to its peer (bar.arrive on the peer's order
     barrier) once its unit's last WGMMA batch is committed, before it waits for that batch
@@ -147,7 +162,9 @@ def test_pingpong_hands_off_before_the_last_batch_completes(tile, cluster, early
     dict(tile=(64, 128), out="float32", acc=True, mode="discrete"),
     dict(tile=(64, 256), out="float16", order="tensor_ragged", a_major="k"),
     dict(fp8="block_1x128", tile=(64, 128)),
-], ids=["128x128", "64x128-f32-acc-discrete", "64x256-f16-ragged", "fp8-64x128"])
+    dict(tile=(192, 128), out="float16", a_major="k", b_major="k"),
+], ids=["128x128", "64x128-f32-acc-discrete", "64x256-f16-ragged", "fp8-64x128",
+        "192x128-f16-kk"])
 def test_pingpong_epilogue_buffer_set_per_group(case):
     """spec.epi_buffer_sets=2: each pingpong consumer group stages its epilogue in its own
     buffers, so the EPI_ORDER hand-off (one 256-thread barrier wait) and the per-unit drain of
@@ -218,7 +235,10 @@ def test_epilogue_buffer_sets_rejected(arch, tile, cluster, sets, extra):
     ((128, 128), (2, 1), dict(out="float32", acc=True)),
     ((128, 256), (1, 2), dict(mode="discrete", order="tensor_ragged", a_major="k")),
     ((64, 128), (2, 1), dict(out="float16", b_major="k", mode="discrete", acc=True)),
-], ids=["pp-1x2", "pp-2x1-f32-acc", "coop-1x2-discrete-ragged", "pp64-2x1-f16-discrete-acc"])
+    ((192, 128), (1, 2), dict(a_major="k", order="tensor_ragged")),
+    ((192, 128), (2, 1), dict(mode="discrete", out="float32")),
+], ids=["pp-1x2", "pp-2x1-f32-acc", "coop-1x2-discrete-ragged", "pp64-2x1-f16-discrete-acc",
+        "pp192-1x2-ragged", "pp192-2x1-discrete-f32"])
 def test_cluster_pairs_compile(tile, cluster, kw):
     """A 1x2 (2x1) CTA pair multicasts A (B): the unit tile is the cluster's, each CTA
     computes its part (tests/test_sm90_kernel_gpu.py has the GPU tests)."""
@@ -310,3 +330,73 @@ def test_zero_fill_copies_a_shared_zero_line(tile, cluster, mode):
     tail = gemm[copy:copy + 400]
     assert re.search(rf"cp\.async\.bulk\.wait_group\.read\s+{ZERO_IN_FLIGHT};", tail)
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", gemm[copy:])
+
+
+def _epilogue_run_mismatches(kernel, threads):
+    """(thread, sub-tile, value, its accumulator coordinate, its sub-tile coordinate) of every
+    value of ``threads`` whose accumulator element (the tiled MMA's C partition of the CTA
+    tile, retiled by the kernel's epilogue copy) is not where the epilogue stages it: value v
+    of run i of a thread's retiled accumulator (RegisterAccumulator.load) goes to sub-tile i
+    (row-major over the epi_tile sub-tiles of the rows its epilogue stores:
+    RegisterAccumulator.target) at the copy's v-th position (partition_S of a sub-tile).
+    Called while tracing (the layouts are static); plain Python, not a @cute.jit body."""
+    import cutlass.cute as cute
+
+    tiled_mma = kernel.tiled_mma
+    copy = kernel.epilogue_copy(tiled_mma)
+    (epi_m, epi_n), cta = kernel.epi_tile, (kernel.cta_m, kernel.cta_n)
+    rows = 64 if kernel.coop_split else kernel.cta_m  # what one epilogue stores
+    n_sub = kernel.cta_n // epi_n
+    subtiles = rows // epi_m * n_sub
+    bad = []
+    for t in threads:
+        epi_t = t % 128 if kernel.pingpong or kernel.coop_split else t
+        row0 = 64 * (t // 128) if kernel.coop_split else 0
+        acc = copy.retile(tiled_mma.get_slice(t).partition_C(cute.make_identity_tensor(cta)))
+        sub = copy.get_slice(epi_t).partition_S(cute.make_identity_tensor((epi_m, epi_n)))
+        size = cute.size(sub)
+        assert size * subtiles == cute.size(acc), (size, subtiles, cute.size(acc))
+        (ai, aj), (si, sj) = acc.iterator, sub.iterator
+        for i in range(subtiles):
+            r0, c0 = row0 + i // n_sub * epi_m, i % n_sub * epi_n
+            for v in range(size):
+                (a, b), (s, u) = acc.layout(i * size + v), sub.layout(v)
+                got, want = (ai + a, aj + b), (r0 + si + s, c0 + sj + u)
+                assert all(isinstance(x, int) for x in got + want), (got, want)
+                if got != want:
+                    bad.append((t, i, v, got, want))
+    return bad
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("tile,out,sets", [
+    ((192, 128), "bfloat16", 1), ((192, 128), "bfloat16", 2), ((192, 128), "float32", 1),
+    ((128, 192), "bfloat16", 1), ((128, 128), "float32", 1), ((64, 256), "bfloat16", 1),
+    ((64, 128), "bfloat16", 1), ((128, 256), "bfloat16", 1), ((128, 256), "bfloat16", 2),
+    ((256, 128), "float32", 1),
+], ids=lambda v: f"{v[0]}x{v[1]}" if isinstance(v, tuple) else str(v))
+def test_epilogue_sub_tiles_are_the_accumulator_runs(tile, out, sets):
+    """The epilogue reads a thread's accumulator in runs, run i staged as sub-tile i: for the
+    tile's MMA and epilogue copy (traced, no kernel), every value of sampled threads of each
+    warp is staged at its own output coordinate, for one to three m64 WGMMA atoms a pingpong
+    group (64, 128, 192 rows), the cooperative tiles and their per-group epilogues
+    (coop_split), 16-bit and FP32 sub-tiles."""
+    from gwgrad.backends import finalize_spec
+    from gwgrad.kernels import compiler
+
+    final, backend = finalize_spec(spec("sm_90a", tile=tile, cluster=(1, 1), out=out)
+                                   .with_tuning(epi_buffer_sets=sets))
+    kernel = backend.make_kernel(final)
+    threads = [w * 32 + lane for w in range(8 if kernel.cfg.schedule == "cooperative" else 4)
+               for lane in (0, 5, 30)]
+    found = {}
+
+    import cutlass.cute as cute
+
+    @cute.jit
+    def trace():
+        kernel._setup()
+        found["bad"] = _epilogue_run_mismatches(kernel, threads)
+
+    compiler.compile_entry(trace, lambda: [], compiler.compile_options("sm_90a"))
+    assert found["bad"] == [], found["bad"][:5]

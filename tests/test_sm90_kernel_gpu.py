@@ -29,6 +29,15 @@ class TestSm90Tile192(KernelChecks):
     TILINGS = [((128, 192), (2, 1)), ((128, 192), (1, 2))]
 
 
+class TestSm90Tile192x128(KernelChecks):
+    """The pingpong 192x128 tile (three m64 WGMMA atoms per consumer group, 192 accumulators
+    per thread) on both pairs: 2x1 (unit 384x128: with 256 or fewer rows the second CTA's part
+    starts past the output) and 1x2 (unit 192x256, A multicast: 96 rows a CTA when K-major,
+    half of each 64-row block's K columns when M-major)."""
+    ARCH = "sm_90a"
+    TILINGS = [((192, 128), (2, 1)), ((192, 128), (1, 2))]
+
+
 class TestSm90TwoLaunches(KernelChecks):
     """The prep kernel, then the GEMM (spec.launches=2: what JAX's custom call compiles); the
     default above is one launch, the GEMM's CTAs doing the prep work before a hand-off."""
@@ -60,7 +69,7 @@ SPLIT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("tile", [(128, 192), (128, 128), (64, 128)],
+@pytest.mark.parametrize("tile", [(128, 192), (192, 128), (128, 128), (64, 128)],
                          ids=lambda t: f"{t[0]}x{t[1]}")
 @pytest.mark.parametrize("case", range(len(SPLIT_CASES)))
 def test_pingpong_epilogue_buffer_set_per_group(seed, tile, case):

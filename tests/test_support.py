@@ -15,7 +15,7 @@ import pytest
 from gwgrad.kernels.tiling import (PROBLEMS, SM90_TILES, epi_buffer_sets_problem,
                                    unit_schedule_problem)
 
-TILES = list(itertools.product((64, 128, 256), (64, 96, 128, 160, 192, 224, 256)))
+TILES = list(itertools.product((64, 128, 192, 256), (64, 96, 128, 160, 192, 224, 256)))
 CLUSTERS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
 COMBOS = [(arch, tile, cluster) for arch in ("sm_90a", "sm_100a")
           for tile in TILES for cluster in CLUSTERS]
@@ -99,8 +99,8 @@ def test_epi_buffer_sets_support_agrees_with_compile(arch, tile, sets):
 
 
 @pytest.mark.parametrize("tile,sets,ok", [((128, 128), 2, True), ((64, 256), 2, True),
-                                          ((128, 256), 2, True), ((256, 128), 2, False),
-                                          ((128, 128), 3, False)])
+                                          ((192, 128), 2, True), ((128, 256), 2, True),
+                                          ((256, 128), 2, False), ((128, 128), 3, False)])
 def test_the_cpu_reference_takes_the_epi_buffer_sets_a_gpu_kernel_runs(tile, sets, ok):
     from gwgrad.backends import finalize_spec
 
@@ -124,6 +124,7 @@ def test_the_cpu_reference_takes_the_epi_buffer_sets_a_gpu_kernel_runs(tile, set
     (1536, 1024, (128, 256), 2),  # ... on <= 128 tiles per expert (fine-256e): a set per group
     (1536, 1024, (256, 128), 1),  # a 256-row cooperative CTA tile: one set (rows interleave)
     (7168, 4096, (64, 256), 2),   # a pingpong tile the caller chose, on a large output
+    (7168, 4096, (192, 128), 2),
     (7168, 4096, (128, 256), 1),
     (7168, 4096, "float32", 1),   # FP32 outputs: no gain measured, one set
 ])

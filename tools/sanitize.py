@@ -5,7 +5,7 @@ representative set of small gwgrad calls, and check every result against float64
 The cases (``--list`` prints them; building them needs no GPU):
 
 * the SM90 BF16 kernel in each tile the backend can pick: cooperative 128x256, 256x128 and
-  pingpong 128x192, 128x128, 64x256, 64x128 (``mma_tiler_mn``: kernels/tiling.py's
+  pingpong 128x192, 192x128, 128x128, 64x256, 64x128 (``mma_tiler_mn``: kernels/tiling.py's
   SM90_TILES picks the schedule);
 * each mode once: dense / discrete, accumulate, fp32 / bf16 / fp16 outputs, tensor_ragged, each
   (a_major, b_major), the class API and the torch adapter, tiny dims, all-empty experts;
@@ -143,7 +143,8 @@ def cases() -> List[SanCase]:
     f32 = [0, 96, 32, 288]  # blocked scales: multiples of 32, not of 128
     out = []
     for tile, sched in (((128, 256), "coop"), ((256, 128), "coop"), ((128, 192), "pp"),
-                        ((128, 128), "pp"), ((64, 256), "pp"), ((64, 128), "pp")):
+                        ((192, 128), "pp"), ((128, 128), "pp"), ((64, 256), "pp"),
+                        ((64, 128), "pp")):
         race = RACE if tile in ((128, 256), (128, 128), (64, 128)) else ALL
         out.append(_gemm(f"bf16_{sched}_{tile[0]}x{tile[1]}",
                          f"SM90 BF16 {'cooperative' if sched == 'coop' else 'pingpong'} "

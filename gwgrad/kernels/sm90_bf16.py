@@ -33,15 +33,17 @@ lies past the output computes it and stores nothing); a unit's stage count is it
 K tiles, the same in the TMA warp and both groups.
 
 Tiles: cooperative 128x256 and 256x128 (64 or 128 accumulators a thread per 64-row half);
-pingpong 128x192 (192 accumulators: MAX_ACC_REGS), 128x128, 64x256, 64x128.
+pingpong 128x192 and 192x128 (192 accumulators: MAX_ACC_REGS; a group's 192 rows are three
+m64 WGMMA atoms and three rows of 64-row epilogue sub-tiles), 128x128, 64x256, 64x128.
 
 Verified on an H200: tests/test_sm90_kernel_gpu.py (TestSm90, TestSm90TwoLaunches,
 TestSm90PairSharingA / B, TestSm90Tile192: every mode per cluster shape; test_pingpong_ and
 test_cooperative_epilogue_buffer_set_per_group, test_single_launch_*,
 test_balanced_schedule, test_zero_fill_*), tests/test_status_gpu.py (invalid offsets write
 nothing), tests/test_api_gpu.py and the adapters' GPU tests. Not yet under the fuzz
-(tests/test_fuzz_gpu.py), the sanitizer or the soak runs: coop_split. PTX checks (sm_90a, no
-GPU): tests/test_compile_sm90.py; structure: tests/test_kernel_structure.py.
+(tests/test_fuzz_gpu.py), the sanitizer or the soak runs: coop_split. Not yet run on a GPU:
+192x128 (TestSm90Tile192x128). PTX and cubin checks (sm_90a, no GPU):
+tests/test_compile_sm90.py; structure: tests/test_kernel_structure.py.
 """
 
 # No `from __future__ import annotations`: the shared-storage struct built in launch() needs
@@ -75,8 +77,8 @@ SMEM_CAPACITY = cutlass.memory.get_smem_capacity_in_bytes("sm_90")  # 227 KiB pe
 UNIT_STAGES = 4  # the unit ring: units the TMA warp publishes ahead of the consumer groups
 SMEM_RESERVED = 2048  # mbarriers, the unit ring, alignment
 MAX_AB_STAGE = 8
-#: FP32 accumulators a consumer thread may hold: 192 of its 232 registers (128x192 pingpong),
-#: the rest the mainloop's and the epilogue's; ptxas spills nothing there
+#: FP32 accumulators a consumer thread may hold: 192 of its 232 registers (pingpong 128x192 and
+#: 192x128), the rest the mainloop's and the epilogue's; ptxas spills nothing there
 #: (tests/test_compile_sm90.py checks the cubins' local frames).
 MAX_ACC_REGS = 192
 
@@ -221,10 +223,12 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             return ("mma_tiler_mn",
                     f"{cta_m}x{cta_n} needs {acc_per_thread} accumulator registers per "
                     f"thread with the {cfg.schedule} schedule; at most {MAX_ACC_REGS} fit")
-        rows = (64, 128) if pingpong else (128, 256)
+        # Rows of a CTA tile: a pingpong group's m64 WGMMA atoms (1, 2 or 3), or the two
+        # cooperative groups' halves.
+        rows = (64, 128, 192) if pingpong else (128, 256)
         if cta_m not in rows or cta_n not in (64, 128, 192, 256):
             return ("mma_tiler_mn",
-                    f"{cfg.schedule} tiles are {rows[0]}|{rows[1]} x 64..256, got "
+                    f"{cfg.schedule} tiles are {'|'.join(map(str, rows))} x 64..256, got "
                     f"{cta_m}x{cta_n}")
         problem = (epi_buffer_sets_problem(cfg.epi_buffer_sets, cfg.schedule, cta_m)
                    or unit_schedule_problem(cfg.unit_schedule, bool(cfg.scale_recipe)))
@@ -867,17 +871,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         """The consumer's epilogue (register -> shared memory with stmatrix): (the
         SubtileStore, the accumulator retiled for its copy, one sub-tile's FP32 registers)."""
         per_group = self.pingpong or self.coop_split
-        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
-            self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
-        )
-        copy_atom_c = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
-        )
-        epi_mma = tiled_mma
-        if cutlass.const_expr(self.coop_split):
-            epi_mma = self.make_tiled_mma(groups=1)
-        tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, epi_mma)
-        tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
+        tiled_copy_r2s = self.epilogue_copy(tiled_mma)
         thr_copy_r2s = tiled_copy_r2s.get_slice(epi_tidx)
         tRS_sC = thr_copy_r2s.partition_D(sC)
         tRS_rAcc = tiled_copy_r2s.retile(acc)
@@ -893,6 +887,22 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         subtile_store = SubtileStore(self.c_dtype, tiled_copy_r2s, tRS_rC, tRS_sC, tma_atom_c,
                                      self.epi_stage, store_pipeline, epi_bar)
         return subtile_store, tRS_rAcc, tRS_rSub
+
+    def epilogue_copy(self, tiled_mma):
+        """The epilogue's register -> shared-memory copy (stmatrix) of the accumulator of
+        ``tiled_mma`` (with coop_split, of one group's 64 rows). Retiled with it, a thread's
+        accumulator holds sub-tile i (row-major over the tile's epi_tile sub-tiles) as its
+        i-th run of values, what RegisterAccumulator reads (tests/test_compile_sm90.py checks
+        it for each tile)."""
+        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
+            self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype
+        )
+        copy_atom_c = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype
+        )
+        epi_mma = self.make_tiled_mma(groups=1) if self.coop_split else tiled_mma
+        tiled_copy_c_atom = cute.make_tiled_copy_C_atom(copy_atom_c, epi_mma)
+        return cute.make_tiled_copy_S(copy_atom_r2s, tiled_copy_c_atom)
 
     def group_orders(self, mma_group):
         """Pingpong and coop_split hand-offs between the consumer groups, (MMA_ORDER, its

@@ -11,13 +11,14 @@ from typing import Optional, Tuple
 
 Pair = Tuple[int, int]
 
-#: SM90 (mma_tiler_mn) -> schedule. 128x192, 128x128 and 64xN tiles run one tile per consumer
-#: warp group (pingpong); 128x256 and 256x128 split one tile over both (cooperative). A
-#: consumer thread holds at most 192 FP32 accumulators (128x192 pingpong).
+#: SM90 (mma_tiler_mn) -> schedule. 128x192, 192x128, 128x128 and 64xN tiles run one tile per
+#: consumer warp group (pingpong); 128x256 and 256x128 split one tile over both (cooperative).
+#: A consumer thread holds at most 192 FP32 accumulators (128x192 and 192x128 pingpong).
 SM90_TILES = {
     (128, 256): "cooperative",
     (256, 128): "cooperative",
     (128, 192): "pingpong",
+    (192, 128): "pingpong",
     (128, 128): "pingpong",
     (64, 256): "pingpong",
     (64, 128): "pingpong",

@@ -42,11 +42,13 @@ memory ~128 B/clk/SM, 4 issue slots/clk/SM):
                         (F ~ 720 TFLOP/s measured BF16, BW ~ 4.0 TB/s achievable):
                           dsv3-fc1   M=7168 N=4096, 65536 tokens: 2.2 GB -> 0.55 ms on a
                                      5.35 ms GEMM: ~0.91x BF16 (0.10 extra)
-                          gptoss-fc1 M=2880 N=5760 (2048 tokens/expert): 0.14 extra: ~0.88x
-                          fine-256e  M=2048 N=1408: 0.31 extra, and the BF16 GEMM of short
-                                     experts runs below 720 TFLOP/s (the extra is then a
-                                     smaller share): ~0.75-0.8x
-                        Cost: the workspace holds 2 (M + N) T bytes (1.48 GB on dsv3-fc1).
+                          gptoss-fc1 M=2880 N=5760, 65536 tokens (2048 per expert): 1.7 GB
+                                     -> 0.42 ms on a 3.0 ms GEMM: ~0.88x
+                          fine-256e  M=1536 N=1024, 256 experts of 256 tokens: 0.5 GB ->
+                                     0.13 ms on BF16's measured ~0.42 ms (~495 TFLOP/s):
+                                     ~0.77x (short experts: below the target's rows)
+                        Cost: the workspace holds 2 (M + N) T bytes (1.48 GB on dsv3-fc1,
+                        1.13 GB gptoss-fc1, 0.34 GB fine-256e). Not yet measured.
 Scheme (b) reaches the >= 0.8x target on the >= 2048-tokens rows from the kernels gwgrad has
 measured, with exactly the BF16 kernel's mainloop; (a) is capped near it by shared-memory
 bandwidth with a new mainloop of unmeasured cost. This module implements (b).

@@ -19,6 +19,7 @@ torch._scaled_grouped_mm's (same inputs and semantics).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -80,6 +81,7 @@ class Fp8Row:
         import torch
 
         from gwgrad.plan import PlanCache, compile_spec, plan_for_spec
+        from gwgrad.spec import Tuning
 
         gw = self.gwgrad
         desc = gw.as_tensor_desc
@@ -89,12 +91,22 @@ class Fp8Row:
         scale_recipe, vec = names[recipe]
         extra = {} if mma_tiler_mn is None else {"mma_tiler_mn": tuple(mma_tiler_mn),
                                                  "cluster_shape_mn": (1, 1)}
+        if dict(tuning).get("mainloop") == 2:
+            extra = {}  # the FP8 default's plan, then the two-pass spec from its request
         descs = (desc(self.a, "a_tensor"), desc(self.b, "b_tensor"),
                  desc(self.offsets, "offsets_tensor"), desc(self.out, "wgrad_tensor"))
         scale_descs = {"sfa": desc(sfa, "sfa_tensor"), "sfb": desc(sfb, "sfb_tensor")}
         plan = gw.plan_for(*descs[:3], wgrad=descs[3], sf_vec_size=vec,
                            scale_recipe=scale_recipe, **scale_descs, **extra)
-        if tuning:
+        if dict(tuning).get("mainloop") == 2:
+            # The two-pass MXFP8 path: the BF16 kernel's rules fill what the entry leaves open
+            # (its tiles are BF16's, not the FP8 default's).
+            fields = {"mma_tiler_mn": tuple(mma_tiler_mn), "cluster_shape_mn": (1, 1),
+                      **dict(tuning)}
+            operator = compile_spec(dataclasses.replace(plan.spec, tuning=Tuning(**fields)))
+            plan = plan_for_spec(operator, *descs, None, PlanCache(), **scale_descs,
+                                 global_scale_a=None, global_scale_b=None)
+        elif tuning:
             operator = compile_spec(plan.spec.with_tuning(**dict(tuning)))
             plan = plan_for_spec(operator, *descs, None, PlanCache(), **scale_descs,
                                  global_scale_a=None, global_scale_b=None)
@@ -278,7 +290,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dist", default="uniform,zipf")
     p.add_argument("--tiles", default="",
                    help="extra FP8 tiles timed besides the default (comma-separated MxN, or "
-                        "MxN:field=value with a tuning field, as in python -m benchmarks.wgrad)")
+                        "MxN:field=value with a tuning field, as in python -m benchmarks.wgrad; "
+                        "MxN[:cluster=..]:mainloop=2 times MXFP8 dequantized to BF16 then the "
+                        "BF16 kernel at that BF16 tile)")
     p.add_argument("--recipes", default=",".join(RECIPES),
                    help="gwgrad's FP8 recipes to time (comma-separated: channel, 1x128, mx)")
     p.add_argument("--fp8-only", action="store_true",

@@ -857,9 +857,10 @@ def plot(rows: List[Dict], path: str) -> Optional[str]:
 #: StaticSpec fields a --tiles entry may set (``MxN:field=value``; ``cluster=MxN`` sets
 #: cluster_shape_mn; ``launches=2``: the prep kernel then the GEMM, against the default single
 #: launch; ``unit_schedule=3``: units handed out statically (no counter, no cluster hand-off)
-#: when the counts are balanced, else dynamically; 1: the dynamic counter).
+#: when the counts are balanced, else dynamically; 1: the dynamic counter; ``mainloop=2``:
+#: MXFP8 on SM90 dequantized to BF16, then the BF16 kernel, benchmarks/fp8.py).
 TUNING_FIELDS = ("raster_group", "epi_tile_n", "epi_buffer_sets", "cluster", "launches",
-                 "unit_schedule")
+                 "unit_schedule", "mainloop")
 
 
 def parse_tile(s: str) -> Tuple:

@@ -328,3 +328,19 @@ def dequantize_blocks(codes: np.ndarray, elem: str, scales: np.ndarray, block: i
         s = s[:, None]
     count = values.shape[1]
     return values * np.repeat(s, block, axis=1)[:, :count]
+
+
+def mx_to_bf16(codes: np.ndarray, fmt: Union[str, DType], scale_codes: np.ndarray) -> np.ndarray:
+    """float64 values of the BF16 numbers the two-pass MXFP8 path (kernels/sm90_mxfp8_bf16.py)
+    makes of FP8 ``codes`` and their E8M0 ``scale_codes`` (broadcast): ``x * 2^(s-127)``
+    exact in FP32 (E8M0 0x00 = 2^-127, 0xFF = NaN), rounded once to BF16 (nearest even,
+    denormals kept, past the largest finite value +-Inf)."""
+    x = decode_codes(codes, fmt)
+    s = np.asarray(scale_codes).astype(np.int64)
+    scale = np.where(s == 0xFF, np.nan, np.ldexp(1.0, s - 127))
+    with np.errstate(over="ignore", invalid="ignore"):
+        f32 = (x * scale).astype(np.float32)  # exact but past FP32's range (then +-Inf)
+    bits = f32.view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    out = rounded.astype(np.uint32).view(np.float32).astype(np.float64)
+    return np.where(np.isnan(f32), np.nan, out)

@@ -34,7 +34,7 @@ from . import backends, cuda, grid, interop, kernel_cache, offsets as offsets_ru
 from .backends.base import Backend, LaunchArgs
 from .dsl import shielded_argv
 from .dtypes import DType
-from .errors import ArgumentError
+from .errors import ArgumentError, UnsupportedError
 from .kernels import compiler
 from .spec import StaticSpec
 from .tensors import TensorDesc
@@ -145,6 +145,8 @@ class CompiledOperator:
         # A compiled kernel knows its workspace (a cached one without importing the DSL).
         workspace = getattr(self.handle, "workspace_bytes", None)
         self.workspace_bytes = backend.workspace_bytes(spec) if workspace is None else workspace
+        #: Bytes per token of a call on top (the two-pass MXFP8 path's BF16 copies; else 0).
+        self.workspace_per_token = getattr(self.handle, "workspace_per_token", 0)
         count("compiled")
 
 
@@ -248,8 +250,10 @@ class LaunchPlan:
             "torch", "cupy") else None
         if module is not None:
             self.framework_stream = functools.partial(module.current_stream, a.device_id)
-        self.workspace_bytes = operator.workspace_bytes if a.is_cuda else 0
         self.tokens_sum = operand_dims(a, "a_tensor", "a", spec.a_major)[1]
+        self.workspace_bytes = (operator.workspace_bytes
+                                + operator.workspace_per_token * self.tokens_sum
+                                if a.is_cuda else 0)
         if self.discrete and wgrad_ptrs is None:  # the caller builds them per call
             wgrad_ptrs = TensorDesc(0, (spec.num_experts,), (1,), DType.INT64, a.device_type,
                                     a.device_id)
@@ -625,6 +629,11 @@ def ffi_gemm(request: StaticSpec, operands, tokens_sum: int, ffi_version: int, *
     accumulating, the output; its results the output, the uint8 workspace and the status
     block (aliased). ``ffi_version``: the FFI target version the installed JAX takes
     (gwgrad.interop.jax). Compiles only when neither memory nor disk has it."""
+    if request.mainloop == 2:
+        raise UnsupportedError(
+            "mainloop", "the two-pass MXFP8 path (mainloop=2) has no JAX custom call (its "
+            "workspace grows with tokens_sum); JAX runs the promoting kernel (mainloop=1)",
+            arch=request.arch, needs=())
     op = compile_spec(request.with_tuning(launches=2), tokens_sum)
     spec = op.spec
     out = ((spec.num_experts, spec.hidden, spec.intermediate), spec.wgrad_dtype.value)

@@ -36,7 +36,11 @@ class Tuning:
     UNIT_SCHEDULES): 1 dynamic (an atomic counter); 3 balanced (SM90 BF16: a static order,
     CTA b taking units b, b + grid, ... with no counter and, on a cluster, no hand-off from
     its leader, on a launch whose expert counts are balanced, else dynamic, decided in the
-    kernel). ``launches``: kernel launches per call: 2, a prep kernel (the experts' ranges,
+    kernel). ``mainloop``: how SM90 runs MXFP8 (the ``blocked`` recipe with FP8 operands): 1,
+    the promoting kernel (FP8 WGMMA per 32-token block, each result scaled on CUDA cores:
+    kernels/sm90_fp8.py); 2, two passes (the operands dequantized to BF16 in the workspace, then
+    the BF16 kernel: kernels/sm90_mxfp8_bf16.py); every other kernel runs 1 only.
+    ``launches``: kernel launches per call: 2, a prep kernel (the experts' ranges,
     order, descriptors and the offsets check) then the GEMM; 1, the GEMM does that work
     itself before a hand-off (half the host launch cost; needs a workspace whose first 16
     bytes are zero before its first use, which gwgrad's own workspaces are; JAX's custom call
@@ -50,6 +54,7 @@ class Tuning:
     epi_buffer_sets: int = 0
     unit_schedule: int = 0
     launches: int = 0
+    mainloop: int = 0
 
     def __post_init__(self) -> None:
         for name in ("mma_tiler_mn", "cluster_shape_mn"):  # hashable, whatever was passed
@@ -121,6 +126,10 @@ class StaticSpec:
     @property
     def launches(self) -> int:
         return self.tuning.launches
+
+    @property
+    def mainloop(self) -> int:
+        return self.tuning.mainloop
 
     @property
     def is_block_scaled(self) -> bool:

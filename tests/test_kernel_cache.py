@@ -236,7 +236,7 @@ def gemm_spec():
                       output_mode="dense", accumulate=False, sf_vec_size=16, arch="sm_90a",
                       tuning=Tuning(mma_tiler_mn=(128, 128), cluster_shape_mn=(1, 1),
                                     raster_group=16, epi_tile_n=32, epi_buffer_sets=1,
-                                    launches=1, unit_schedule=1))
+                                    launches=1, unit_schedule=1, mainloop=1))
 
 
 def test_fresh_process_loads_from_disk_without_the_dsl(cache, recorder):

@@ -16,7 +16,7 @@ from typing import Dict, Optional, Tuple
 
 from .. import cuda
 from ..dtypes import DType
-from ..errors import UnsupportedError, arch_names
+from ..errors import ArgumentError, UnsupportedError, arch_names
 from ..spec import TUNING_FIELDS, StaticSpec
 from ._cutedsl import CuteDslBackend
 from .base import Backend, LaunchArgs
@@ -35,6 +35,8 @@ _KERNELS: Dict[Tuple[str, str], Tuple[str, str]] = {
     ("bf16", "sm_100a"): ("gwgrad.backends.bf16_sm100", "Bf16Sm100Backend"),
     ("bf16", "sm_103a"): ("gwgrad.backends.bf16_sm100", "Bf16Sm100Backend"),
     ("block_scaled", "sm_90a"): ("gwgrad.backends.fp8_sm90", "Fp8Sm90Backend"),
+    # MXFP8 with Tuning.mainloop = 2: dequantize to BF16, then the BF16 kernel.
+    ("mxfp8_bf16", "sm_90a"): ("gwgrad.backends.fp8_sm90", "Mxfp8Bf16Sm90Backend"),
     ("block_scaled", "sm_100a"): ("gwgrad.backends.blockscaled_sm100", "BlockScaledSm100Backend"),
     ("block_scaled", "sm_103a"): ("gwgrad.backends.blockscaled_sm100", "BlockScaledSm100Backend"),
 }
@@ -78,6 +80,8 @@ def detect_arch(device_id: int) -> str:
 
 
 def _kind(spec: StaticSpec) -> str:
+    if spec.is_block_scaled and spec.mainloop == 2:
+        return "mxfp8_bf16"
     return "block_scaled" if spec.is_block_scaled else "bf16"
 
 
@@ -87,6 +91,9 @@ def get_backend(spec: StaticSpec) -> Backend:
         key = ("gwgrad.backends.reference", "ReferenceBackend")
     else:
         key = _KERNELS.get((_kind(spec), spec.arch))
+        if key is None and _kind(spec) == "mxfp8_bf16":
+            raise ArgumentError("mainloop", f"expected 1 on {spec.arch} (mainloop=2, MXFP8 "
+                                "dequantized to BF16, runs on SM90), got 2")
         if key is None:
             needs = tuple(arch for kind, arch in _KERNELS if kind == _kind(spec))
             raise UnsupportedError(

@@ -115,6 +115,9 @@ class CompiledGemm:
         self.spec = spec
         self.num_units = int(kernel.info["num_units"])
         self.workspace_bytes = int(kernel.info["workspace_bytes"])
+        #: Workspace bytes per token of a call on top of ``workspace_bytes`` (0 but for the
+        #: two-pass MXFP8 path: LaunchPlan adds them for its tokens_sum).
+        self.workspace_per_token = int(kernel.info.get("workspace_per_token", 0))
         self.cluster_m, self.cluster_n = spec.cluster_shape_mn  # the grid is whole clusters
 
     def launch(self, device: int, stream: int, a: int, b: int, offsets: int, out: int,
@@ -146,7 +149,10 @@ def compile_gemm(spec: StaticSpec, make_kernel: Callable[[], Any], key_parts: Tu
     def build():
         kernel = make_kernel()
         info = {"num_units": kernel.cfg.num_units,
-                "workspace_bytes": kernel.cfg.workspace_bytes}
+                "workspace_bytes": getattr(kernel, "workspace_base", kernel.cfg.workspace_bytes)}
+        per_token = getattr(kernel, "workspace_per_token", 0)
+        if per_token:  # the two-pass MXFP8 path's BF16 copies (kernels/sm90_mxfp8_bf16.py)
+            info["workspace_per_token"] = per_token
         return compiler.compile_kernel(kernel, spec, extra_options), info
 
     kernel = kernel_cache.load_or_compile(key_parts, spec.arch,
@@ -179,12 +185,19 @@ class CuteDslBackend(Backend):
     def check_support(self, spec: StaticSpec) -> None:
         """What every CuTe DSL kernel needs, its tiling rules, then its own predicate, which
         a kernel found in gwgrad.kernel_cache has passed already (no DSL import then)."""
+        if spec.mainloop and spec.mainloop not in self.mainloops():
+            raise ArgumentError("mainloop", f"one of {self.mainloops()} for the {self.name} "
+                                f"backend (2: MXFP8 on SM90 only), got {spec.mainloop}")
         self.check_spec(spec)
         problem = launches_problem(self, spec) or self.tiling_problem(spec)
         if problem is None and not self.compiled_before(spec):
             problem = self.kernel_problem(spec)
         if problem is not None:
             raise ArgumentError(*problem)
+
+    def mainloops(self) -> Tuple[int, ...]:
+        """The ``Tuning.mainloop`` values this backend runs (spec.py)."""
+        return (1,)
 
     def check_spec(self, spec: StaticSpec) -> None:
         """The kernel family's rules on dtypes and dimensions (BF16's by default)."""

@@ -93,7 +93,9 @@ class Problem:
             return self.facts[fact]
         if fact in ("schedule", "two_sets", "pair"):
             tile, cluster = self._tiling(fact)
-            tiles = SM90_FP8_TILES if self.spec.is_block_scaled else SM90_TILES
+            # MXFP8 with mainloop=2 runs the BF16 kernel's tiles.
+            fp8 = self.spec.is_block_scaled and self.spec.mainloop != 2
+            tiles = SM90_FP8_TILES if fp8 else SM90_TILES
             schedule = tiles.get(tuple(tile)) if self.spec.arch.startswith("sm_9") else None
             if fact == "schedule":
                 return schedule or "none"
@@ -223,7 +225,7 @@ def resolve(table: Tuple[Rule, ...], spec: StaticSpec,
 # why", by rule name.
 
 #: SM90 BF16 (backends/bf16_sm90.py).
-SM90_BF16 = rules(
+SM90_BF16_LINES = (
     "sm90-short-pair: open and tokens <= 384 and tiles <= 128 and out16 and pair_m -> 128x256 2x1",
     "sm90-short-coop: open and tokens <= 384 and tiles <= 128 and out16 -> 128x256 1x1",
     "sm90-short-fp32: open and tokens <= 384 and tiles <= 128 and out_bytes == 4 and n_tiles >= 2 -> 128x128 1x2",
@@ -240,8 +242,9 @@ SM90_BF16 = rules(
     "sm90-fp32-small-dynamic: pair and out_bytes == 4 and tiles < 1024 -> unit_schedule=dynamic",
     "sm90-balanced: pair -> unit_schedule=balanced",
     "sm90-dynamic: -> unit_schedule=dynamic",
-    "sm90-one-launch: -> launches=1",
+    "sm90-one-launch: -> launches=1 mainloop=1",
 )
+SM90_BF16 = rules(*SM90_BF16_LINES)
 
 #: SM90 FP8, the scale recipes of gwgrad/scales.py (backends/fp8_sm90.py).
 SM90_FP8 = rules(
@@ -253,22 +256,30 @@ SM90_FP8 = rules(
     "fp8-epi-16bit: out_bytes == 2 -> raster_group=16 epi_tile_n=64",
     "fp8-epi-fp32: -> raster_group=16 epi_tile_n=32",
     "fp8-short-sets: tokens <= 384 and tiles <= 128 and out16 and recipe != blocked and two_sets -> epi_buffer_sets=2",
-    "fp8-rest: -> epi_buffer_sets=1 unit_schedule=dynamic launches=2",
+    "fp8-rest: -> epi_buffer_sets=1 unit_schedule=dynamic launches=2 mainloop=1",
+)
+
+#: SM90 MXFP8 with mainloop=2 (backends/fp8_sm90.py, Mxfp8Bf16Sm90Backend): the BF16 kernel's
+#: rules but two launches (its prep kernel checks the scale tensors' capacity).
+SM90_MXFP8_BF16 = rules(
+    *(line for line in SM90_BF16_LINES if not line.startswith("sm90-one-launch")),
+    "fp8-mxfp8-bf16-launches: -> launches=2 mainloop=2",
 )
 
 #: SM100, BF16 and block-scaled (backends/bf16_sm100.py, blockscaled_sm100.py).
 SM100 = rules(
     "sm100-narrow: n_tiles <= 1 -> 256x128 2x1",
     "sm100-2cta: -> 256x256 2x1",
-    "sm100-rest: -> raster_group=16 epi_tile_n=0 epi_buffer_sets=1 unit_schedule=dynamic launches=2",
+    "sm100-rest: -> raster_group=16 epi_tile_n=0 epi_buffer_sets=1 unit_schedule=dynamic launches=2 mainloop=1",
 )
 
 #: The CPU reference (backends/reference.py) and any backend without a table of its own: a
 #: tiling some GPU kernel runs.
 REFERENCE = rules(
     "cpu-tiling: -> 128x256 1x1",
-    "cpu-rest: -> raster_group=16 epi_tile_n=64 epi_buffer_sets=1 unit_schedule=dynamic launches=2",
+    "cpu-rest: -> raster_group=16 epi_tile_n=64 epi_buffer_sets=1 unit_schedule=dynamic launches=2 mainloop=1",
 )
 
 #: Every table by name (the tests and the docs check walk them).
-TABLES = {"SM90_BF16": SM90_BF16, "SM90_FP8": SM90_FP8, "SM100": SM100, "REFERENCE": REFERENCE}
+TABLES = {"SM90_BF16": SM90_BF16, "SM90_FP8": SM90_FP8, "SM90_MXFP8_BF16": SM90_MXFP8_BF16,
+          "SM100": SM100, "REFERENCE": REFERENCE}

@@ -110,6 +110,10 @@ class ProblemConfig:
     scale_recipe: str = ""
     sf_vec: int = 0
     has_global_scale: bool = False
+    # The scale recipe whose tensors the prep work checks (their capacity against the
+    # counts) for a kernel that does not read them itself: the BF16 kernel of the two-pass
+    # MXFP8 path (kernels/sm90_mxfp8_bf16.py); "" elsewhere (scale_recipe is checked).
+    checked_scales: str = ""
     # SM100 block-scaled: the prep kernel also writes each expert's scale-factor descriptors
     # (slots desc_sfa / desc_sfb, over the expert's chunk of the blocked layout).
     sf_descriptors: bool = False
@@ -134,7 +138,7 @@ class ProblemConfig:
     def sf_rule(self):
         """(tokens per scale column, column padding) when experts find their scales by a
         prefix sum of columns (the workspace's sf_base), else None."""
-        return column_rule(self.scale_recipe or None, self.sf_vec)
+        return column_rule(self.scale_recipe or self.checked_scales or None, self.sf_vec)
 
     # -- static tiling ------------------------------------------------------------------
     @property

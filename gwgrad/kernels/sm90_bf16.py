@@ -290,11 +290,13 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         )
 
     def launch(self, a_ptr, b_ptr, offsets_ptr, c_ptr, workspace_ptr, status_ptr, tokens_sum,
-               grid_size, stream, scales=None):
+               grid_size, stream, scales=None, sf_capacity=None):
         """Launch prep + GEMM on `stream` (traced inside the entry points of GemmEntryPoints).
         `c_ptr` is the dense output, or in discrete mode the int64 array of per-expert output
         addresses. `scales`: block-scaled kernels' (sfa, sfb, gsa, gsb, sf_capacity)
-        (ScaledEntryPoints; kernels/sm90_fp8.py), None for BF16."""
+        (ScaledEntryPoints; kernels/sm90_fp8.py), None for BF16. `sf_capacity` without
+        `scales`: the capacity the prep kernel checks for cfg.checked_scales (two launches;
+        the two-pass MXFP8 path, kernels/sm90_mxfp8_bf16.py)."""
         cfg = self.cfg
         self._setup()
         mA, mB = gemm_views(cfg, a_ptr, b_ptr, tokens_sum)
@@ -321,7 +323,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             self.c_store_op(), mC, epi_smem_layout, self.epi_tile
         )
 
-        scale_sources, sf_capacity = None, None
+        scale_sources = None
         if cutlass.const_expr(scales is not None):
             scale_sources = self.scale_sources(scales)
             sf_capacity = scales[4]

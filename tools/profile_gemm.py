@@ -133,6 +133,9 @@ def main() -> int:
     p.add_argument("--tiles", default="",
                    help="gwgrad variants profiled beside the default (BF16 only), as the "
                         "bench's --tiles: MxN[:field=value...], comma-separated")
+    p.add_argument("--quack", action="store_true",
+                   help="also profile QuACK's varlen-K GEMM in its default config (BF16 "
+                        "output only; the bench extra)")
     args = p.parse_args()
     if args.summarize:
         print(summarize(args.summarize))
@@ -163,6 +166,8 @@ def main() -> int:
                 out = inp.outs["gwgrad"]
                 methods = {"gwgrad": inp.adapter()}
             methods.update(variant_methods(inp, args.tiles, out, args.accumulate))
+            if args.quack and not args.accumulate:
+                methods["quack_default"] = inp.quack(tuned=False)
             methods["dense_cublas"] = inp.dense()
             profile(shape, dist, inp.flops, methods)
             del inp

@@ -118,6 +118,10 @@ def tiling_for_tokens(spec: StaticSpec, tokens_sum: int) -> StaticSpec:
     known, blind = resolve(rules, spec, tokens_sum), resolve(rules, spec)
     pinned = {f: getattr(known, f) for f in TUNING_FIELDS
               if getattr(known, f) != getattr(blind, f) and not getattr(spec.tuning, f)}
+    if {"mma_tiler_mn", "cluster_shape_mn"} & set(pinned):
+        # The tiling is pinned whole: a pinned tile alone closes the tiling (the rules' `open`)
+        # and the cluster would fall to another rule's.
+        pinned.update(mma_tiler_mn=known.mma_tiler_mn, cluster_shape_mn=known.cluster_shape_mn)
     return spec.with_tuning(**pinned) if pinned else spec
 
 

@@ -23,6 +23,8 @@ Facts of the problem:
   pair_n     a CTA pair fits the intermediate extent (a 1x2 pair's columns)
   n192       192-wide column tiles cover the intermediate extent with at most 1% padding
              (``fits192``), in a count a 1x2 pair fits
+  m192       192-tall row tiles cover the hidden extent with at most 1% padding (``pads``)
+  m128       128-tall row tiles cover the hidden extent with at most 1% padding
   recipe     the scale recipe (gwgrad/scales.py), ``none`` for BF16
   open       the caller chose neither the tile nor the cluster
 Facts of the tiling chosen (by the caller or a rule), for the later fields:
@@ -52,11 +54,16 @@ def pair_fits(extent: int, width: int = 128) -> bool:
     return tiles >= 2 and (tiles % 2 == 0 or tiles >= 16)
 
 
+def pads(extent: int, width: int) -> bool:
+    """Whether ``width``-wide tiles along ``extent`` pad it by at most 1% (the tile
+    quantization: a tile past the extent computes and stores rows that do not exist)."""
+    return -(-extent // width) * width * 100 <= extent * 101
+
+
 def fits192(extent: int) -> bool:
     """Whether 192-wide tiles along ``extent`` (a 128x192 tile's columns) pad it by at most 1%
-    (the tile quantization: a 192-wide tile past the extent computes and stores columns that do
-    not exist) and come in a count a CTA pair covers (``pair_fits`` in 192-wide tiles)."""
-    return -(-extent // 192) * 192 * 100 <= extent * 101 and pair_fits(extent, 192)
+    (``pads``) and come in a count a CTA pair covers (``pair_fits`` in 192-wide tiles)."""
+    return pads(extent, 192) and pair_fits(extent, 192)
 
 
 class Problem:
@@ -78,6 +85,8 @@ class Problem:
             "pair_m": pair_fits(spec.hidden),
             "pair_n": pair_fits(spec.intermediate),
             "n192": fits192(spec.intermediate),
+            "m192": pads(spec.hidden, 192),
+            "m128": pads(spec.hidden, 128),
             "recipe": spec.scale_recipe or "none",
             "open": spec.mma_tiler_mn is None and spec.cluster_shape_mn is None,
         }
@@ -106,7 +115,7 @@ class Problem:
 
 
 FACTS = ("tiles", "n_tiles", "out_bytes", "acc", "out16", "tokens", "pair_m", "pair_n", "n192",
-         "recipe", "open", "schedule", "two_sets", "pair")
+         "m192", "m128", "recipe", "open", "schedule", "two_sets", "pair")
 _OPS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
         "==": operator.eq, "!=": operator.ne}
 _TERM = re.compile(r"(?:(not) )?(\w+)(?: (<=|>=|==|!=|<|>) (\w+))?")
@@ -226,9 +235,11 @@ def resolve(table: Tuple[Rule, ...], spec: StaticSpec,
 
 #: SM90 BF16 (backends/bf16_sm90.py).
 SM90_BF16_LINES = (
+    "sm90-short-192: open and tokens <= 384 and tiles <= 128 and out16 and m192 and pair_n -> 192x128 1x2",
     "sm90-short-pair: open and tokens <= 384 and tiles <= 128 and out16 and pair_m -> 128x256 2x1",
     "sm90-short-coop: open and tokens <= 384 and tiles <= 128 and out16 -> 128x256 1x1",
     "sm90-short-fp32: open and tokens <= 384 and tiles <= 128 and out_bytes == 4 and n_tiles >= 2 -> 128x128 1x2",
+    "sm90-192-rows: open and out16 and m192 and not m128 -> 192x128 1x1",
     "sm90-192-pair: open and out16 and n192 -> 128x192 1x2",
     "sm90-fp32-pair: open and out_bytes == 4 and tiles >= 1024 and pair_n -> 128x128 1x2",
     "sm90-wide: tiles >= 4096 -> 128x256 1x1",

@@ -56,6 +56,7 @@ def test_modes(seed, case):
     kw = dict(MODES[case])
     if kw.get("order") == "tensor_ragged":  # mainloop=2 takes tensor2d operands only
         kw["order"] = "tensor2d"
+    kw.pop("global_scales", None)  # and no global scales (tests/test_mxfp8_bf16.py: refused)
     run_case(seed, "blocked", COUNTS["blocked"], **kw)
 
 
@@ -73,9 +74,10 @@ def test_modes_on_pairs(seed, case, cluster):
     run_case(seed, "blocked", COUNTS["blocked"], tiling=(128, 128), cluster=cluster, **kw)
 
 
-def test_e5m2_and_mixed(seed):
+def test_e5m2(seed):
+    # MXFP8 takes one FP8 type for A and B (the API refuses a mix).
     run_case(seed, "blocked", COUNTS["blocked"], a_fmt="e5m2", b_fmt="e5m2")
-    run_case(seed, "blocked", COUNTS["blocked"], a_fmt="e4m3", b_fmt="e5m2",
+    run_case(seed, "blocked", COUNTS["blocked"], a_fmt="e5m2", b_fmt="e5m2",
              out_dtype=torch.float32)
 
 
@@ -127,8 +129,9 @@ def test_special_scale_codes(seed):
         if x == 1:
             assert int(torch.isnan(ref).all(dim=1).sum()) == 1
         keep = torch.isfinite(ref)
-        err = (got[keep] - ref[keep]).norm().item() / ref[keep].norm().item()
-        assert err <= 2e-3, f"expert {x}: relative error {err:.2e}"
+        err, norm = (got[keep] - ref[keep]).norm().item(), ref[keep].norm().item()
+        # Expert 0's finite outputs may all be zero (A's values rounded away): then exactly.
+        assert err <= 2e-3 * norm if norm else err == 0, f"expert {x}: error {err:.2e} / {norm:.2e}"
 
 
 def test_scales_too_small_and_invalid_offsets_write_nothing(seed):

@@ -468,8 +468,13 @@ def build_methods(inp: RowInputs, configs: List, row: Dict,
         meth["gwgrad"] = {"error": _error(exc)}
     for cfg in configs:
         name = config_name(cfg)
+        cluster = dict(cfg[2:]).get("cluster_shape_mn", (1, 1))
+        if (name in fns and default is not None and len(cfg) == 2
+                and tuple(default.spec.cluster_shape_mn) != cluster):
+            # "MxN" is the default's name too, but the default runs a CTA pair there.
+            name += ":cluster=1x1"
         if name not in fns:  # a tile this shape cannot use is recorded as an error
-            add(name, lambda: inp.variant(cfg))
+            add(name, lambda cfg=cfg: inp.variant(cfg))
     if gwgrad_only:
         return fns, default
     add("adapter", inp.adapter)

@@ -5,6 +5,7 @@ method's wiring (kernel plan, adapter, contract wrapper, loop, dense) run once o
 
 import json
 import math
+import types
 
 import pytest
 
@@ -442,3 +443,30 @@ def test_one_small_row_on_the_gpu(tmp_path):
     assert not row.get("check_failed"), row.get("rel_err")
     assert 0 < row["wrapper_over_adapter"] < 2
     assert math.isfinite(row["hbm"]["fraction"]["gwgrad"])
+
+
+def test_a_1x1_variant_of_the_default_tile_keeps_its_own_name(monkeypatch):
+    """--tiles MxN (one CTA) where the default runs MxN on a CTA pair: both are timed, the
+    variant as MxN:cluster=1x1 (the default holds the name gwgrad_MxN)."""
+    pytest.importorskip("torch")
+
+    class Runner:
+        def __init__(self, a, b, offsets, out, mma_tiler_mn=None, accumulate=False, tuning=()):
+            given = mma_tiler_mn is not None
+            self.tile = tuple(mma_tiler_mn) if given else (192, 128)
+            cluster = dict(tuning).get("cluster_shape_mn", (1, 1) if given else (1, 2))
+            self.spec = types.SimpleNamespace(cluster_shape_mn=cluster, raster_group=16,
+                                              epi_tile_n=64, epi_buffer_sets=1, launches=1,
+                                              unit_schedule=3)
+
+        def __call__(self):
+            pass
+
+    monkeypatch.setattr(bench, "KernelRunner", Runner)
+    row = bench.new_row(SHAPE, "uniform")
+    inp = bench.RowInputs(SHAPE, "uniform", 256, device="cpu")
+    fns, default = bench.build_methods(inp, [(192, 128), (128, 128)], row, gwgrad_only=True)
+    assert set(fns) == {"gwgrad_192x128", "gwgrad_192x128:cluster=1x1", "gwgrad_128x128"}
+    assert fns["gwgrad_192x128"] is default
+    assert fns["gwgrad_192x128:cluster=1x1"].spec.cluster_shape_mn == (1, 1)
+    assert bench.parse_tile("192x128:cluster=1x1") == (192, 128, ("cluster_shape_mn", (1, 1)))

@@ -38,13 +38,11 @@ m64 WGMMA atoms and three rows of 64-row epilogue sub-tiles), 128x128, 64x256, 6
 
 Verified on an H200: tests/test_sm90_kernel_gpu.py (TestSm90, TestSm90TwoLaunches,
 TestSm90PairSharingA / B, TestSm90Tile192, TestSm90Tile192x128: every mode per cluster shape;
-test_pingpong_ and
-test_cooperative_epilogue_buffer_set_per_group, test_single_launch_*,
+test_pingpong_ and test_cooperative_epilogue_buffer_set_per_group, test_single_launch_*,
 test_balanced_schedule, test_zero_fill_*), tests/test_status_gpu.py (invalid offsets write
 nothing), tests/test_api_gpu.py and the adapters' GPU tests. Not yet under the fuzz
 (tests/test_fuzz_gpu.py), the sanitizer or the soak runs: coop_split, 192x128. PTX and cubin
-checks (sm_90a, no GPU):
-tests/test_compile_sm90.py; structure: tests/test_kernel_structure.py.
+checks (sm_90a, no GPU): tests/test_compile_sm90.py; structure: tests/test_kernel_structure.py.
 """
 
 # No `from __future__ import annotations`: the shared-storage struct built in launch() needs

@@ -107,6 +107,7 @@ from cutlass.cutlass_dsl import T
 
 from ..scales import ATOM_BYTES, ATOM_ROWS
 from .config import ProblemConfig, ceil_div
+from .entry import ScaledEntryPoints
 from .quantize import GroupedQuantizer, QuantizeConfig, ld_global_v4, st_global_v4
 from .sm90_bf16 import Sm90GroupedWgrad
 
@@ -217,9 +218,9 @@ def dequant_problem(cfg: ProblemConfig):
     return None
 
 
-class Sm90DequantGroupedWgrad:
+class Sm90DequantGroupedWgrad(ScaledEntryPoints):
     """The two-pass MXFP8 GEMM of one ProblemConfig (FP8 operands, blocked scales): the
-    compiled entry takes the block-scaled signature (gwgrad/kernels/compiler.py)."""
+    compiled entry takes the block-scaled signature (ScaledEntryPoints)."""
 
     def __init__(self, cfg: ProblemConfig):
         problem = dequant_problem(cfg)
@@ -242,23 +243,9 @@ class Sm90DequantGroupedWgrad:
         return dequant_problem(cfg) or Sm90GroupedWgrad.can_implement(gemm_config(cfg))
 
     @cute.jit
-    def __call__(
-        self,
-        a_ptr: cute.Pointer,
-        b_ptr: cute.Pointer,
-        offsets_ptr: cute.Pointer,
-        c_ptr: cute.Pointer,
-        workspace_ptr: cute.Pointer,
-        status_ptr: cute.Pointer,
-        tokens_sum: Int32,
-        sfa_ptr: cute.Pointer,
-        sfb_ptr: cute.Pointer,
-        gsa_ptr: cute.Pointer,
-        gsb_ptr: cute.Pointer,
-        sf_capacity: Int32,
-        grid_size: Int32,
-        stream,
-    ):
+    def launch(self, a_ptr, b_ptr, offsets_ptr, c_ptr, workspace_ptr, status_ptr, tokens_sum,
+               grid_size, stream, scales):
+        sfa_ptr, sfb_ptr, _, _, sf_capacity = scales  # no global scales (dequant_problem)
         cfg = self.cfg
         ws = workspace_ptr.toint()
         table_ptr = cute.make_ptr(Int32, ws + table_offset(cfg), cute.AddressSpace.gmem,

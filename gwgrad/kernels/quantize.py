@@ -403,6 +403,23 @@ def e2m1x8_bf16x2(pairs, mult2: Int32) -> Int32:
 # ---------------------------------------------------------------------------------------------
 
 
+@cute.jit
+def owner_of(firsts: cute.Tensor, stride: cutlass.Constexpr, count: cutlass.Constexpr,
+             x: Int32) -> Int32:
+    """The last i < ``count`` with ``firsts[stride * i] <= x``, by binary search over
+    non-decreasing firsts (0 when none): with each expert's first tile or token there, the
+    expert owning ``x`` when any does (empty experts share their successor's first)."""
+    lo = Int32(0)
+    step = Int32(1 << (count.bit_length() - 1))
+    for _ in cutlass.range_constexpr(count.bit_length()):
+        probe = lo + step
+        if probe < count:
+            if firsts[stride * probe] <= x:
+                lo = probe
+        step = step >> 1
+    return lo
+
+
 class GroupedQuantizer:
     """Quantizer of one QuantizeConfig. ``__call__`` is the compiled entry (raw addresses):
     ``x`` (bf16, (T, channels) row-major), ``offsets`` (int32, E), ``q`` (uint8 codes,
@@ -553,16 +570,7 @@ class GroupedQuantizer:
             for b in cutlass.range(tid, tile_bound, PREP_THREADS, unroll=1):
                 row = [Int32(-1), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)]
                 if b < running_tiles:
-                    # The last expert whose first tile is <= b (empty experts share their
-                    # successor's first tile, so the last one is the expert that owns b).
-                    lo = Int32(0)
-                    step = Int32(1 << (cfg.num_experts.bit_length() - 1))
-                    for _ in cutlass.range_constexpr(cfg.num_experts.bit_length()):
-                        probe = lo + step
-                        if probe < cfg.num_experts:
-                            if first[probe] <= b:
-                                lo = probe
-                        step = step >> 1
+                    lo = owner_of(first, 1, cfg.num_experts, b)  # the expert owning tile b
                     row = [lo, b - first[lo], experts[4 * lo], experts[4 * lo + 1],
                            experts[4 * lo + 2], experts[4 * lo + 3]]
                 for k in cutlass.range_constexpr(6):

@@ -108,7 +108,7 @@ from cutlass.cutlass_dsl import T
 from ..scales import ATOM_BYTES, ATOM_ROWS
 from .config import ProblemConfig, ceil_div
 from .entry import ScaledEntryPoints
-from .quantize import GroupedQuantizer, QuantizeConfig, ld_global_v4, st_global_v4
+from .quantize import GroupedQuantizer, QuantizeConfig, ld_global_v4, owner_of, st_global_v4
 from .sm90_bf16 import Sm90GroupedWgrad
 
 DEQ_THREADS = 256
@@ -281,16 +281,7 @@ class Sm90DequantGroupedWgrad(ScaledEntryPoints):
         t0 = group * GROUP_TOKENS
         mpad = ceil_div(rows, ATOM_ROWS) * ATOM_ROWS
         if t0 < tokens_sum:
-            # The last expert whose first token is <= t0 (empty experts share their
-            # successor's first token, so it is the one owning t0 when any does).
-            lo = Int32(0)
-            step = Int32(1 << (cfg.num_experts.bit_length() - 1))
-            for _ in cutlass.range_constexpr(cfg.num_experts.bit_length()):
-                probe = lo + step
-                if probe < cfg.num_experts:
-                    if experts[4 * probe] <= t0:
-                        lo = probe
-                step = step >> 1
+            lo = owner_of(experts, 4, cfg.num_experts, t0)  # the expert owning token t0
             begin = experts[4 * lo]
             end = experts[4 * lo + 1]
             s_e = experts[4 * lo + 2]

@@ -96,8 +96,11 @@ class Fp8Row:
         descs = (desc(self.a, "a_tensor"), desc(self.b, "b_tensor"),
                  desc(self.offsets, "offsets_tensor"), desc(self.out, "wgrad_tensor"))
         scale_descs = {"sfa": desc(sfa, "sfa_tensor"), "sfb": desc(sfb, "sfb_tensor")}
+        # The default as the wrapper runs it (gwgrad sizes the workspace: MXFP8 on SM90 in two
+        # passes); a variant names its tiling.
         plan = gw.plan_for(*descs[:3], wgrad=descs[3], sf_vec_size=vec,
-                           scale_recipe=scale_recipe, **scale_descs, **extra)
+                           scale_recipe=scale_recipe, **scale_descs, **extra,
+                           grow_workspace=mma_tiler_mn is None and not tuning)
         if dict(tuning).get("mainloop") == 2:
             # The two-pass MXFP8 path: the BF16 kernel's rules fill what the entry leaves open
             # (its tiles are BF16's, not the FP8 default's).

@@ -495,7 +495,7 @@ def grouped_gemm_wgrad(
     quick = _quick(tensors)
     key = (_signature(quick), output_mode, wgrad_dtype, acc_dtype,
            plans.hashable(mma_tiler_mn), plans.hashable(cluster_shape_mn), sf_vec_size,
-           accumulate_on_output, input_order, scale_recipe)
+           accumulate_on_output, input_order, scale_recipe, descriptor_workspace is None)
     try:
         plan = plans.call_plans.get(key)
     except TypeError:  # an unhashable argument: the full check names it
@@ -510,7 +510,8 @@ def grouped_gemm_wgrad(
             wgrad_dtype=wgrad_dtype, accumulate_on_output=accumulate_on_output,
             input_order=input_order, mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn,
             acc_dtype=acc_dtype, sf_vec_size=sf_vec_size, sfa=sfa, sfb=sfb, global_scale_a=gsa,
-            global_scale_b=gsb, scale_recipe=scale_recipe)
+            global_scale_b=gsb, scale_recipe=scale_recipe,
+            grow_workspace=descriptor_workspace is None)
         if key is not None:
             plans.call_plans[key] = plan
     stream = _stream(current_stream, plan)

@@ -405,9 +405,12 @@ def plan_for(a: TensorDesc, b: TensorDesc, offsets: TensorDesc, *,
              sfa: Optional[TensorDesc] = None, sfb: Optional[TensorDesc] = None,
              global_scale_a: Optional[TensorDesc] = None,
              global_scale_b: Optional[TensorDesc] = None,
-             scale_recipe: Optional[str] = None) -> LaunchPlan:
+             scale_recipe: Optional[str] = None, grow_workspace: bool = False) -> LaunchPlan:
     """The plan for a call described by ``TensorDesc``s (output storage may be absent only when
     the caller allocates it before launching: pass a descriptor of the layout it will have).
+    ``grow_workspace``: the caller sizes the workspace from the plan (``workspace_bytes``), so it
+    may grow with the tokens: MXFP8 on SM90 then runs in two passes (``backends.mxfp8_two_pass``);
+    a caller-owned workspace sized by the contract's bound keeps the promoting kernel.
 
     The first call with a signature runs the contract's full check (``build_spec``) and finds
     or compiles the operator (with the autotuner's tiling when ``tuner`` has one for a CUDA
@@ -418,7 +421,7 @@ def plan_for(a: TensorDesc, b: TensorDesc, offsets: TensorDesc, *,
            interop.signature(wgrad_ptrs), output_mode, hashable(wgrad_dtype), accumulate_on_output,
            input_order, hashable(mma_tiler_mn), hashable(cluster_shape_mn), acc_dtype,
            sf_vec_size, interop.signature(sfa), interop.signature(sfb), interop.signature(global_scale_a),
-           interop.signature(global_scale_b), a.framework, scale_recipe)
+           interop.signature(global_scale_b), a.framework, scale_recipe, grow_workspace)
     try:
         plan = _plans.get(key)
     except TypeError:  # an unhashable argument: the full check names it
@@ -431,6 +434,8 @@ def plan_for(a: TensorDesc, b: TensorDesc, offsets: TensorDesc, *,
         input_order=input_order, mma_tiler_mn=mma_tiler_mn, cluster_shape_mn=cluster_shape_mn,
         acc_dtype=acc_dtype, sf_vec_size=sf_vec_size, sfa=sfa, sfb=sfb,
         global_scale_a=global_scale_a, global_scale_b=global_scale_b, scale_recipe=scale_recipe)
+    if grow_workspace:
+        request = backends.mxfp8_two_pass(request)
     if tuner is not None and a.is_cuda:  # the autotuner's winner, if it has one (a plan miss)
         request = tuner(request, tokens_sum, a.device_id,
                         (a, b, offsets, sfa, sfb, global_scale_a, global_scale_b))

@@ -126,7 +126,8 @@ def guards_intact(buf):
 
 def run_case(seed, recipe, counts, *, hidden=256, inter=384, out_dtype=torch.bfloat16,
              mode="dense", accumulate=False, order="tensor2d", a_fmt="e4m3", b_fmt="e4m3",
-             global_scales=False, tiling=None, cluster=None, extra=0, tol=None):
+             global_scales=False, tiling=None, cluster=None, extra=0, tol=None,
+             caller_workspace=False):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rng = np.random.default_rng(seed)
     e = len(counts)
@@ -146,6 +147,10 @@ def run_case(seed, recipe, counts, *, hidden=256, inter=384, out_dtype=torch.bfl
                   input_order=order, sf_vec_size={"blocked": 32, "block_1x128": 128}.get(recipe, 16),
                   scale_recipe=None if recipe == "blocked" else recipe, mma_tiler_mn=tiling,
                   cluster_shape_mn=cluster, validate_offsets=True)
+    if caller_workspace:  # the contract's size (MXFP8 then runs the promoting kernel)
+        kwargs["descriptor_workspace"] = torch.empty(
+            gwgrad.get_grouped_gemm_wgrad_workspace_size_sm100(e, output_mode=mode),
+            dtype=torch.uint8, device="cuda")
     if mode == "dense":
         buf, out = guarded((e, hidden, inter), out_dtype, init)
         gwgrad.grouped_gemm_wgrad(output_mode="dense", wgrad_tensor=out, **kwargs)
@@ -194,6 +199,8 @@ MODES = [
 @pytest.mark.parametrize("case", range(len(MODES)))
 def test_recipe_modes(seed, recipe, case):
     run_case(seed, recipe, COUNTS[recipe], **MODES[case])
+    if recipe == "blocked":  # the promoting kernel too: a caller-owned workspace keeps it
+        run_case(seed, recipe, COUNTS[recipe], caller_workspace=True, **MODES[case])
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -276,10 +283,12 @@ def test_mxfp8_cudnn_shaped_scales(seed):
 
 
 def test_mxfp8_special_scale_codes(seed):
-    """E8M0 0x00 is 2^-127 (an FP32 denormal, not 0) and 0xFF is NaN: expert 0's first scale
-    column of A is 0x00 against 0xFE (2^127) in B, so those 32 tokens count with weight exactly
-    1; row 5 of expert 1's A scales holds 0xFF in its second column, so that output row is
-    NaN and every other row is not."""
+    """The promoting kernel (a caller-owned workspace of the contract's size keeps it; gwgrad's
+    own workspace runs the two-pass path, tests/test_mxfp8_bf16_sm90_gpu.py): E8M0 0x00 is
+    2^-127 (an FP32 denormal, not 0) and 0xFF is NaN: expert 0's first scale column of A is
+    0x00 against 0xFE (2^127) in B, so those 32 tokens count with weight exactly 1; row 5 of
+    expert 1's A scales holds 0xFF in its second column, so that output row is NaN and every
+    other row is not."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rng = np.random.default_rng(seed)
     counts, hidden, inter = [96, 64, 128], 128, 128
@@ -295,7 +304,10 @@ def test_mxfp8_special_scale_codes(seed):
     offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device="cuda")
     buf, out = guarded((3, hidden, inter), torch.float32,
                        torch.full((3, hidden, inter), float("nan"), device="cuda"))
-    gwgrad.grouped_gemm_wgrad(a, b, sfa, sfb, offs, wgrad_tensor=out, sf_vec_size=32)
+    ws = torch.empty(gwgrad.get_grouped_gemm_wgrad_workspace_size_sm100(len(counts)),
+                     dtype=torch.uint8, device="cuda")
+    gwgrad.grouped_gemm_wgrad(a, b, sfa, sfb, offs, wgrad_tensor=out, sf_vec_size=32,
+                              descriptor_workspace=ws)
     torch.cuda.synchronize()
     gwgrad.check_errors()
     assert guards_intact(buf), "memory around the output was written"
@@ -411,3 +423,20 @@ def test_invalid_offsets_write_nothing(seed, recipe):
         with pytest.raises(ValueError, match="offsets_tensor"):
             gwgrad.check_errors()
     assert torch.equal(out, before)
+
+
+def test_mxfp8_default_kernel_follows_the_workspace(seed):
+    """MXFP8 through the wrapper: gwgrad's own workspace runs the two-pass path
+    (backends.mxfp8_two_pass), a caller-owned one of the contract's size the promoting kernel;
+    both against float64, one plan each."""
+    from gwgrad import plan as gwplan
+
+    gwplan.clear_cache()
+    run_case(seed, "blocked", COUNTS["blocked"])
+    kernels = {type(op.backend).__name__ for op in gwplan._compiled.values()}
+    assert kernels == {"Mxfp8Bf16Sm90Backend"}, kernels
+    gwplan.clear_cache()
+    run_case(seed, "blocked", COUNTS["blocked"], caller_workspace=True)
+    kernels = {type(op.backend).__name__ for op in gwplan._compiled.values()}
+    assert kernels == {"Fp8Sm90Backend"}, kernels
+    gwplan.clear_cache()

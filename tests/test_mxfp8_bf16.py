@@ -162,3 +162,49 @@ def test_jax_custom_call_refuses_the_two_pass_path():
 
     with pytest.raises(UnsupportedError, match="mainloop"):
         P.ffi_gemm(two_pass(), [], 1024, 1)
+
+
+def test_two_pass_is_the_default_where_gwgrad_sizes_the_workspace():
+    """backends.mxfp8_two_pass: MXFP8 on SM90 with the mainloop open, tensor2d operands, no
+    global scales and no tile or a BF16 one takes mainloop=2; anything else is unchanged
+    (plan.plan_for asks only with grow_workspace=True: the wrapper without a caller's
+    workspace)."""
+    from gwgrad.backends import mxfp8_two_pass
+
+    base = fp8_spec("sm_90a", "blocked", hidden=512, intermediate=768)
+    assert mxfp8_two_pass(base).mainloop == 2
+    assert mxfp8_two_pass(base.with_tuning(mma_tiler_mn=(128, 192))).mainloop == 2
+    assert mxfp8_two_pass(fp8_spec("sm_90a", "blocked", a="e5m2", b="e5m2")).mainloop == 2
+    unchanged = [
+        fp8_spec("sm_90a", "blocked", global_scales=True),
+        fp8_spec("sm_90a", "blocked", order="tensor_ragged"),
+        base.with_tuning(mma_tiler_mn=(64, 192)),  # an FP8-only tile
+        base.with_tuning(mainloop=1),
+        fp8_spec("sm_90a", "per_expert_channel"),
+        fp8_spec("sm_90a", "block_1x128"),
+        fp8_spec("sm_100a", "blocked"),
+        bf16_spec("sm_90a"),
+    ]
+    for request in unchanged:
+        assert mxfp8_two_pass(request) is request, request
+
+
+def test_the_wrappers_plan_follows_who_owns_the_workspace(monkeypatch):
+    """The wrapper's plan key tells a call with a caller-owned workspace from one without, and
+    only the latter asks plan_for for a growing workspace."""
+    from gwgrad import api, plan as gwplan
+
+    asked = []
+
+    def plan_for(*args, grow_workspace=False, **kw):
+        asked.append(grow_workspace)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(gwplan, "plan_for", plan_for)
+    torch = pytest.importorskip("torch")
+    a, b = torch.zeros(64, 32, dtype=torch.bfloat16), torch.zeros(32, 48, dtype=torch.bfloat16)
+    offs = torch.tensor([32], dtype=torch.int32)
+    for workspace in (None, torch.zeros(1 << 16, dtype=torch.uint8)):
+        with pytest.raises(RuntimeError, match="stop here"):
+            api.grouped_gemm_wgrad(a, b, offsets_tensor=offs, descriptor_workspace=workspace)
+    assert asked == [True, False]

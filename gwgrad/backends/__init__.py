@@ -107,6 +107,28 @@ def get_backend(spec: StaticSpec) -> Backend:
     return backend
 
 
+#: FP8 operand types MXFP8 takes.
+_FP8 = (DType.FLOAT8_E4M3FN, DType.FLOAT8_E5M2)
+
+
+def mxfp8_two_pass(request: StaticSpec) -> StaticSpec:
+    """``request`` with ``mainloop=2`` where SM90 runs MXFP8 in two passes by default
+    (kernels/sm90_mxfp8_bf16.py; its measurement against the promoting kernel: docs/
+    PERFORMANCE.md, "Defaults and why"): the blocked recipe with FP8 operands, the mainloop
+    left open, tensor2d operands, no global scales, no tile or one the BF16 kernel runs.
+    Otherwise ``request`` itself. Its workspace grows with the tokens, so only entry points
+    that size the workspace themselves ask for it (``plan.plan_for(grow_workspace=True)``)."""
+    from ..kernels.tiling import SM90_TILES
+    from ..scales import BLOCKED
+
+    if (request.arch.startswith("sm_90") and request.a_dtype in _FP8
+            and request.scale_recipe == BLOCKED and not request.mainloop
+            and request.input_order == "tensor2d" and not request.has_global_scale
+            and (request.mma_tiler_mn is None or tuple(request.mma_tiler_mn) in SM90_TILES)):
+        return request.with_tuning(mainloop=2)
+    return request
+
+
 def tiling_for_tokens(spec: StaticSpec, tokens_sum: int) -> StaticSpec:
     """``spec`` with the tuning fields its backend's rules pick for ``tokens_sum`` tokens where
     that differs from their pick for unknown tokens (the short-expert rules) and the caller left

@@ -3,8 +3,9 @@ scale recipes of gwgrad/scales.py (MXFP8's blocked E8M0 scales, per-expert chann
 1x128 blocks). FP4 formats need SM100's block-scaled tensor cores, and so does MXFP8 with an
 M/N-major operand: those raise gwgrad.errors.UnsupportedError (a NotImplementedError).
 
-MXFP8 runs either kernel, by ``Tuning.mainloop``: 1 (the default) the promoting kernel here,
-2 the two-pass ``Mxfp8Bf16Sm90Backend`` below (kernels/sm90_mxfp8_bf16.py)."""
+MXFP8 runs either kernel, by ``Tuning.mainloop``: 1 the promoting kernel here, 2 the two-pass
+``Mxfp8Bf16Sm90Backend`` below (kernels/sm90_mxfp8_bf16.py), the default where gwgrad sizes
+the workspace (``backends.mxfp8_two_pass``)."""
 
 from __future__ import annotations
 

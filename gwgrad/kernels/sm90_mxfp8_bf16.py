@@ -1,10 +1,11 @@
 """Hopper (SM90) MXFP8 weight gradient in two passes: dequantize to BF16, then the BF16 kernel.
 
 Selected by ``Tuning.mainloop = 2`` (``MAINLOOP_DEQUANT``) for the ``blocked`` recipe on SM90
-(backends/fp8_sm90.py, ``Mxfp8Bf16Sm90Backend``); the default stays the promoting kernel of
-kernels/sm90_fp8.py (``mainloop = 1``): this path's workspace grows with the tokens, and the
-contract's workspace size takes none (docs/PERFORMANCE.md, "Defaults and why", has both
-measured).
+(backends/fp8_sm90.py, ``Mxfp8Bf16Sm90Backend``): the default where gwgrad sizes the workspace
+(the wrapper and the adapters without a caller's ``descriptor_workspace``:
+``backends.mxfp8_two_pass``), since the workspace grows with the tokens; a caller-owned
+workspace of the contract's size, the class API, JAX, tensor_ragged operands and global scales
+run the promoting kernel of kernels/sm90_fp8.py (``mainloop = 1``).
 
 Why (issue "MXFP8 on Hopper worth using"). Hopper's FP8 WGMMA has no block scales, so the
 promoting kernel issues a K=32 WGMMA per 32-token scale block and promotes each result on CUDA

@@ -75,7 +75,7 @@ class Mxfp8Bf16Sm90Backend(_cutedsl.CuteDslBackend):
     in the workspace, then the BF16 kernel (kernels/sm90_mxfp8_bf16.py has the design and its
     budget). Its tilings and tuning rules are the BF16 kernel's; its workspace grows with the
     call's tokens (``workspace_per_token``), which the contract's workspace size does not take:
-    not the default (docs/PERFORMANCE.md, "Defaults and why")."""
+    the default only where gwgrad sizes the workspace (``backends.mxfp8_two_pass``)."""
 
     name = "mxfp8_bf16_sm90"
     tuning_rules = SM90_MXFP8_BF16

@@ -70,14 +70,15 @@ workspace (config.py layout; its first 16 bytes zero before the first launch, as
 gwgrad GEMM)][expert table E x (begin, end, S_e, C_e) int32][a 32-byte tile-table row, unused]
 [A as BF16 (hidden, T) K-major][B as BF16 (intermediate, T)].
 
-Dequantize kernel: 256 threads; CTA (x, y) takes 32-token groups 256x .. 256x+255 of rows
-ROWS_PER_CTA*y ..; a thread finds its group's expert by a binary search of the table (experts
-own whole 32-token groups: counts are multiples of 32), then per row loads the 32 codes (two
-16-byte loads), the E8M0 code (blocked layout, gwgrad/scales.py), and stores 32 BF16 (four
-16-byte stores). Per value: ``cvt.rn.f16x2.e4m3x2`` (or e5m2x2, two values), ``cvt.f32.f16``,
-``mul.rn.f32`` by 2^(s-127) and ``cvt.rn.bf16x2.f32`` (two values): exact in FP32, one rounding
-into BF16. A group outside every expert (invalid offsets: the GEMM then writes nothing) is
-stored as zeros; a scale byte past the scale tensor's capacity is never read (code 0 used).
+Dequantize kernel: 256 threads; CTA (x, y) takes tokens 2048x .. 2048x+2047 of rows
+ROWS_PER_CTA*y ..; a thread takes 8 of those tokens (THREAD_TOKENS: a warp's loads and stores
+each cover one contiguous span), finds their expert by a binary search of the table (experts
+own whole 32-token groups: counts are multiples of 32), then per row loads the 8 codes (one
+8-byte load), the E8M0 code of their 32-token group (blocked layout, gwgrad/scales.py; the
+four threads of a group read the same byte), and stores 8 BF16 (one 16-byte store). Per
+value: ``cvt.rn.f16x2.e4m3x2`` (or e5m2x2, two values), ``cvt.f32.f16``, ``mul.rn.f32`` by
+2^(s-127) and ``cvt.rn.bf16x2.f32`` (two values): exact in FP32, one rounding into BF16. A
+group outside every expert (invalid offsets: the GEMM then writes nothing) is stored as zeros; a scale byte past the scale tensor's capacity is never read (code 0 used).
 
 Exactness: ``x * 2^(s-127)`` is computed exactly in FP32 (E8M0 0x00 is 2^-127, an FP32
 denormal, and 0xFF NaN: the promoting kernel's decoding) and rounded once to BF16. It is
@@ -109,12 +110,16 @@ from cutlass.cutlass_dsl import T
 from ..scales import ATOM_BYTES, ATOM_ROWS
 from .config import ProblemConfig, ceil_div
 from .entry import ScaledEntryPoints
-from .quantize import GroupedQuantizer, QuantizeConfig, ld_global_v4, owner_of, st_global_v4
+from .quantize import GroupedQuantizer, QuantizeConfig, owner_of, st_global_v4
 from .sm90_bf16 import Sm90GroupedWgrad
 
 DEQ_THREADS = 256
-#: Rows one dequantize CTA converts (each thread: one 32-token group of each row).
-ROWS_PER_CTA = 4
+#: Tokens one dequantize thread converts in a row: an 8-byte load and a 16-byte store, so that
+#: a warp's load and store instructions each cover one contiguous span (256 and 512 bytes).
+THREAD_TOKENS = 8
+#: Rows one dequantize CTA converts (each thread: the same 8 tokens of each row, the rows'
+#: loads in flight together).
+ROWS_PER_CTA = 8
 GROUP_TOKENS = 32
 #: The expert table's offset past the BF16 kernel's workspace (128-byte aligned), and the
 #: unused tile-table row the quantizers' prep kernel is given.
@@ -132,6 +137,15 @@ def ld_global_u8(address: Int64) -> Int32:
     return Int32(_asm(T.i32(), [Int64(address)],
                       "{\n\t.reg .b16 v;\n\tld.global.nc.u8 v, [$1];\n\tcvt.u32.u16 $0, v;\n\t}",
                       "=r,l"))
+
+
+def ld_global_v2(address: Int64):
+    """Two words (8 bytes) from an 8-byte aligned global address (read-only path)."""
+    words = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * 2), [Int64(address).ir_value()],
+                            "ld.global.nc.v2.b32 {$0, $1}, [$2];", "=r,=r,l",
+                            has_side_effects=False, is_align_stack=False,
+                            asm_dialect=llvm.AsmDialect.AD_ATT)
+    return [Int32(llvm.extractvalue(T.i32(), words, [i])) for i in range(2)]
 
 
 def e8m0_bits(code: Int32) -> Int32:
@@ -258,12 +272,12 @@ class Sm90DequantGroupedWgrad(ScaledEntryPoints):
             grid=(1, 1, 1), block=(512, 1, 1), stream=stream)
         a16 = ws + copies_offset(cfg)
         b16 = a16 + Int64(tokens_sum) * (2 * cfg.hidden)
-        groups = ceil_div(tokens_sum, GROUP_TOKENS)
+        spans = ceil_div(tokens_sum, THREAD_TOKENS * DEQ_THREADS)
         for rows, src, dst, sf, elem in ((cfg.hidden, a_ptr, a16, sfa_ptr, self.elem_a),
                                          (cfg.intermediate, b_ptr, b16, sfb_ptr, self.elem_b)):
             self.dequant_kernel(src.toint(), sf.toint(), dst, experts, tokens_sum, sf_capacity,
                                 rows, elem).launch(
-                grid=((groups + DEQ_THREADS - 1) // DEQ_THREADS, ceil_div(rows, ROWS_PER_CTA), 1),
+                grid=(spans, ceil_div(rows, ROWS_PER_CTA), 1),
                 block=(DEQ_THREADS, 1, 1), stream=stream)
         a_bf16 = cute.make_ptr(cutlass.BFloat16, a16, cute.AddressSpace.gmem, assumed_align=16)
         b_bf16 = cute.make_ptr(cutlass.BFloat16, b16, cute.AddressSpace.gmem, assumed_align=16)
@@ -278,8 +292,7 @@ class Sm90DequantGroupedWgrad(ScaledEntryPoints):
         cfg = self.cfg
         tid = cute.arch.thread_idx()[0]
         bx, by, _ = cute.arch.block_idx()
-        group = bx * DEQ_THREADS + tid
-        t0 = group * GROUP_TOKENS
+        t0 = (bx * DEQ_THREADS + tid) * THREAD_TOKENS
         mpad = ceil_div(rows, ATOM_ROWS) * ATOM_ROWS
         if t0 < tokens_sum:
             lo = owner_of(experts, 4, cfg.num_experts, t0)  # the expert owning token t0
@@ -301,11 +314,7 @@ class Sm90DequantGroupedWgrad(ScaledEntryPoints):
                         code = ld_global_u8(sf + offset)
                     scale = e8m0_bits(code) * owned  # 0.0 outside every expert
                     index = Int64(m) * Int64(tokens_sum) + Int64(t0)
-                    words = ld_global_v4(src + index) + ld_global_v4(src + index + 16)
-                    out = []
-                    for w in cutlass.range_constexpr(8):
-                        out.extend(fp8x4_to_bf16x4(words[w], scale, elem))
-                    base = dst + 2 * index
-                    for v in cutlass.range_constexpr(4):
-                        st_global_v4(base + 16 * v, out[4 * v], out[4 * v + 1],
-                                     out[4 * v + 2], out[4 * v + 3])
+                    words = ld_global_v2(src + index)
+                    out = (fp8x4_to_bf16x4(words[0], scale, elem)
+                           + fp8x4_to_bf16x4(words[1], scale, elem))
+                    st_global_v4(dst + 2 * index, out[0], out[1], out[2], out[3])

@@ -78,7 +78,8 @@ own whole 32-token groups: counts are multiples of 32), then per row loads the 8
 four threads of a group read the same byte), and stores 8 BF16 (one 16-byte store). Per
 value: ``cvt.rn.f16x2.e4m3x2`` (or e5m2x2, two values), ``cvt.f32.f16``, ``mul.rn.f32`` by
 2^(s-127) and ``cvt.rn.bf16x2.f32`` (two values): exact in FP32, one rounding into BF16. A
-group outside every expert (invalid offsets: the GEMM then writes nothing) is stored as zeros; a scale byte past the scale tensor's capacity is never read (code 0 used).
+group outside every expert (invalid offsets: the GEMM then writes nothing) is stored as zeros;
+a scale byte past the scale tensor's capacity is never read (code 0 used).
 
 Exactness: ``x * 2^(s-127)`` is computed exactly in FP32 (E8M0 0x00 is 2^-127, an FP32
 denormal, and 0xFF NaN: the promoting kernel's decoding) and rounded once to BF16. It is

@@ -185,9 +185,12 @@ def cases() -> List[SanCase]:
         _gemm("fp8_1x128_ragged_discrete_fp32", "block_1x128 e5m2/e4m3, tensor_ragged, "
               "discrete fp32", f16, recipe="block_1x128", a_fmt="e5m2", order="tensor_ragged",
               mode="discrete", out_dtype="float32", tools=RACE, **fp8),
-        _gemm("fp8_blocked_dense_bf16", "MXFP8 blocked e4m3, dense bf16, cooperative 128x128 "
-              "(the default is the pingpong 64x128: fp8_blocked_tile_64x128)", f32,
+        _gemm("fp8_blocked_dense_bf16", "MXFP8 blocked e4m3 through the wrapper, dense bf16: "
+              "two passes (dequantize, then the BF16 pingpong 128x128)", f32,
               recipe="blocked", tiling=(128, 128), tools=RACE, **fp8),
+        _gemm("fp8_blocked_promote_128x128", "MXFP8 blocked e4m3 through the class API, dense "
+              "bf16: the promoting kernel, cooperative 128x128", f32, recipe="blocked",
+              tiling=(128, 128), entry="class", tools=RACE, **fp8),
         _gemm("fp8_blocked_ragged_discrete_acc_fp32_e5m2", "MXFP8 e5m2, tensor_ragged, discrete, "
               "accumulate fp32, global scales", f32, recipe="blocked", a_fmt="e5m2",
               b_fmt="e5m2", order="tensor_ragged", mode="discrete", out_dtype="float32",
@@ -198,8 +201,8 @@ def cases() -> List[SanCase]:
               tiling=(64, 128), tools=RACE, **fp8),
         _gemm("fp8_pec_tile_64x192", "per_expert_channel, pingpong 64x192", f16,
               tiling=(64, 192), **fp8),
-        _gemm("fp8_blocked_tile_64x128", "MXFP8, pingpong 64x128", f32, recipe="blocked",
-              tiling=(64, 128), **fp8),
+        _gemm("fp8_blocked_tile_64x128", "MXFP8 through the class API: the promoting kernel, "
+              "pingpong 64x128", f32, recipe="blocked", tiling=(64, 128), entry="class", **fp8),
         _gemm("fp8_adapter_quantize_1x128", "torch adapter quantize(x), quantize(dy) -> "
               "wgrad_fp8 block_1x128, dense fp32", f16, recipe="block_1x128",
               out_dtype="float32", source="quantize", entry="adapter", **fp8),
@@ -227,9 +230,12 @@ def cases() -> List[SanCase]:
         _gemm("invalid_fp8_1x128_scales", "block_1x128 scale rows too few for the offsets",
               [16, 16, 96], invalid="scales", expect="sfa_tensor", capacity=1,
               recipe="block_1x128", accumulate=True, out_dtype="float32", **fp8),
-        _gemm("invalid_fp8_blocked_scales", "MXFP8 scale columns too few for the offsets",
-              [32, 32, 64], invalid="scales", expect="sfa_tensor", capacity=4,
-              recipe="blocked", **fp8),
+        _gemm("invalid_fp8_blocked_scales", "MXFP8 scale columns too few for the offsets "
+              "(the wrapper: two passes)", [32, 32, 64], invalid="scales", expect="sfa_tensor",
+              capacity=4, recipe="blocked", **fp8),
+        _gemm("invalid_fp8_blocked_scales_promote", "MXFP8 scale columns too few for the "
+              "offsets (the class API: the promoting kernel)", [32, 32, 64], invalid="scales",
+              expect="sfa_tensor", capacity=4, recipe="blocked", entry="class", **fp8),
         _gemm("invalid_fp8_blocked_multiple", "MXFP8, a count not a multiple of 32", f32,
               offsets=[0, 112, 128, 416], invalid="multiple", expect="offsets_tensor",
               recipe="blocked", mode="discrete", **fp8),

@@ -157,6 +157,13 @@ def variant_name(recipe: str, tile: tuple) -> str:
     return f"fp8_{recipe}_{config_name(tile)[len('gwgrad_'):]}"
 
 
+def variant_applies(recipe: str, tile: tuple) -> bool:
+    """Whether a --tiles variant (a parse_tile result) is timed for ``recipe``: one that names
+    a ``mainloop`` picks between MXFP8's kernels (1: the promoting kernel, 2: dequantized to
+    BF16), so it runs for MXFP8 alone."""
+    return recipe == "mx" or "mainloop" not in dict(tile[2:])
+
+
 def run_row(shape: Dict, dist: str, rounds: int, sample_ms: float, tiles: List,
             recipes=RECIPES, fp8_only: bool = False) -> Dict:
     """One row's methods timed together. ``recipes``: gwgrad's FP8 recipes to time (each at
@@ -187,8 +194,8 @@ def run_row(shape: Dict, dist: str, rounds: int, sample_ms: float, tiles: List,
     for recipe in recipes:
         add(f"fp8_{recipe}", lambda r=recipe: inp.runner(r))
         for tile in tiles:
-            if dict(tile[2:]).get("mainloop") == 2 and recipe != "mx":
-                continue  # the two-pass path dequantizes MXFP8 only
+            if not variant_applies(recipe, tile):
+                continue
             add(variant_name(recipe, tile), lambda r=recipe, t=tile: inp.runner(r, t[:2], t[2:]))
     row["tiles"] = {k: "{}x{}".format(*f.tile) for k, f in fns.items() if hasattr(f, "tile")}
     if not fp8_only:
@@ -297,7 +304,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="extra FP8 tiles timed besides the default (comma-separated MxN, or "
                         "MxN:field=value with a tuning field, as in python -m benchmarks.wgrad; "
                         "MxN[:cluster=..]:mainloop=2 times MXFP8 dequantized to BF16 then the "
-                        "BF16 kernel at that BF16 tile)")
+                        "BF16 kernel at that BF16 tile, MxN:mainloop=1 MXFP8's promoting "
+                        "kernel; a variant naming a mainloop runs for MXFP8 only)")
     p.add_argument("--recipes", default=",".join(RECIPES),
                    help="gwgrad's FP8 recipes to time (comma-separated: channel, 1x128, mx)")
     p.add_argument("--fp8-only", action="store_true",

@@ -73,3 +73,15 @@ def test_recipes_and_fp8_only(monkeypatch, tmp_path):
     assert seen == [[]]
     with pytest.raises(SystemExit):
         fp8.main(["--rows", "dsv3-fc1", "--json", out, "--recipes", "mx,fp4"])
+
+
+def test_a_variant_naming_a_mainloop_runs_for_mxfp8_only():
+    from benchmarks.wgrad import parse_tile
+
+    for spec in ("128x128:cluster=1x2:mainloop=2", "64x128:mainloop=1"):
+        tile = parse_tile(spec)
+        assert fp8.variant_applies("mx", tile)
+        assert not fp8.variant_applies("channel", tile)
+        assert not fp8.variant_applies("1x128", tile)
+    plain = parse_tile("128x192:cluster=2x1:epi_buffer_sets=2")
+    assert all(fp8.variant_applies(r, plain) for r in fp8.RECIPES)

@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 
 import fuzz_cases as F
+from gwgrad.kernels.tiling import SM90_TILES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -189,6 +190,15 @@ def coverage(cases):
                                        for s in specs))
     has("global scales", any(s.global_scales for s in specs))
     has("no global scales", any(s.kind == "fp8" and not s.global_scales for s in specs))
+    # MXFP8 through both SM90 kernels: two passes (the wrapper, tensor2d, no global scales, a
+    # tile the BF16 kernel runs) and the promoting kernel (global scales or tensor_ragged).
+    has("MXFP8 two passes", any(s.recipe == "blocked" and s.order == "tensor2d"
+                                and not s.global_scales
+                                and (s.tiling is None or tuple(s.tiling) in SM90_TILES)
+                                for s in specs))
+    has("MXFP8 promoting", any(s.recipe == "blocked" and (s.global_scales
+                                                          or s.order == "tensor_ragged")
+                               for s in specs))
     for name, lo, hi in (("1 expert", 1, 1), ("2-8 experts", 2, 8), ("9-64 experts", 9, 64),
                          ("65-511 experts", 65, 511), ("512 experts", 512, 512)):
         has(name, any(lo <= s.experts <= hi for s in specs))

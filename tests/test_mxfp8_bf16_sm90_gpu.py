@@ -86,6 +86,12 @@ def test_long_experts(seed):
     run_case(seed, "blocked", [4096, 0, 4128, 160], hidden=256, inter=128)
 
 
+@pytest.mark.parametrize("mode", ["dense", "discrete"])
+def test_every_expert_empty(seed, mode):
+    # 0 tokens: the dequantize grids still launch one CTA each (a grid of 0 is a launch error).
+    run_case(seed, "blocked", [0, 0, 0], hidden=128, inter=64, mode=mode)
+
+
 def test_special_scale_codes(seed):
     """E8M0 0x00 (2^-127) on A's first column of expert 0 against 0xFE (2^127) on B's: A's
     values become BF16 denormals (rounded below 2^-133), B's of magnitude >= 2 overflow to

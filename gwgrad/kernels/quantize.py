@@ -182,13 +182,18 @@ def _f32_op(op: str, a: Int32, b: Int32) -> Int32:
                       "=r,r,r"))
 
 
-def ld_global_v4(address: Int64):
-    """Four words (16 bytes) from a 16-byte aligned global address (read-only path)."""
-    words = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * 4), [Int64(address).ir_value()],
-                            "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+def ld_global_words(address: Int64, count: int = 4):
+    """``count`` words (2 or 4: 8 or 16 bytes) from a global address aligned to their size
+    (read-only path)."""
+    operands = ", ".join(f"${i}" for i in range(count))
+    words = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * count),
+                            [Int64(address).ir_value()],
+                            f"ld.global.nc.v{count}.b32 {{{operands}}}, [${count}];",
+                            ",".join(["=r"] * count + ["l"]),
                             has_side_effects=False, is_align_stack=False,
                             asm_dialect=llvm.AsmDialect.AD_ATT)
-    return [Int32(llvm.extractvalue(T.i32(), words, [i])) for i in range(4)]
+    return [Int32(llvm.extractvalue(T.i32(), words, [i])) for i in range(count)]
+
 
 
 def bf16_to_f32(word: Int32, select: Int32) -> Int32:
@@ -640,8 +645,8 @@ class GroupedQuantizer:
         thread): [expert (-1: none), tile, begin, end, S_e, C_e]."""
         b = cute.arch.block_idx()[1]
         row = cute.recast_ptr(table.iterator, dtype=Int32).toint() + Int64(b) * 32
-        head = ld_global_v4(row)
-        tail = ld_global_v4(row + 16)
+        head = ld_global_words(row)
+        tail = ld_global_words(row + 16)
         return [head[0], head[1], head[2], head[3], tail[0], tail[1]]
 
     @cute.kernel
@@ -671,7 +676,7 @@ class GroupedQuantizer:
                 token = tid // X_CHUNKS + (THREADS // X_CHUNKS) * r
                 w = [Int32(0), Int32(0), Int32(0), Int32(0)]
                 if token < tile_valid and first < C:
-                    w = ld_global_v4(x_ptr.toint() + (Int64(tile_begin + token) * C + first) * 2)
+                    w = ld_global_words(x_ptr.toint() + (Int64(tile_begin + token) * C + first) * 2)
                 for k in cutlass.range_constexpr(4):
                     m[2 * k] = cutlass.max(m[2 * k], (w[k] << 16) & 0x7FFFFFFF)
                     m[2 * k + 1] = cutlass.max(m[2 * k + 1], w[k] & 0x7FFF0000)
@@ -732,7 +737,7 @@ class GroupedQuantizer:
             first = cb * TILE_CHANNELS + chunk * 8
             if token < tile_valid and first < C:
                 address = x_ptr.toint() + (Int64(tile_begin + token) * C + first) * 2
-                w = ld_global_v4(address)
+                w = ld_global_words(address)
             for k in cutlass.range_constexpr(4):
                 xs[token * X_ROW_WORDS + chunk * 4 + k] = w[k]
         cute.arch.sync_threads()

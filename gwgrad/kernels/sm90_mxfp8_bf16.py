@@ -115,7 +115,8 @@ from cutlass.cutlass_dsl import T
 from ..scales import ATOM_BYTES, ATOM_ROWS
 from .config import ProblemConfig, ceil_div
 from .entry import ScaledEntryPoints
-from .quantize import GroupedQuantizer, QuantizeConfig, owner_of, st_global_v4
+from .quantize import (GroupedQuantizer, QuantizeConfig, ld_global_words, owner_of,
+                       st_global_v4)
 from .sm90_bf16 import Sm90GroupedWgrad
 
 DEQ_THREADS = 256
@@ -142,15 +143,6 @@ def ld_global_u8(address: Int64) -> Int32:
     return Int32(_asm(T.i32(), [Int64(address)],
                       "{\n\t.reg .b16 v;\n\tld.global.nc.u8 v, [$1];\n\tcvt.u32.u16 $0, v;\n\t}",
                       "=r,l"))
-
-
-def ld_global_v2(address: Int64):
-    """Two words (8 bytes) from an 8-byte aligned global address (read-only path)."""
-    words = llvm.inline_asm(llvm.StructType.get_literal([T.i32()] * 2), [Int64(address).ir_value()],
-                            "ld.global.nc.v2.b32 {$0, $1}, [$2];", "=r,=r,l",
-                            has_side_effects=False, is_align_stack=False,
-                            asm_dialect=llvm.AsmDialect.AD_ATT)
-    return [Int32(llvm.extractvalue(T.i32(), words, [i])) for i in range(2)]
 
 
 def e8m0_bits(code: Int32) -> Int32:
@@ -321,7 +313,7 @@ class Sm90DequantGroupedWgrad(ScaledEntryPoints):
                         code = ld_global_u8(sf + offset)
                     scale = e8m0_bits(code) * owned  # 0.0 outside every expert
                     index = Int64(m) * Int64(tokens_sum) + Int64(t0)
-                    words = ld_global_v2(src + index)
+                    words = ld_global_words(src + index, 2)
                     out = (fp8x4_to_bf16x4(words[0], scale, elem)
                            + fp8x4_to_bf16x4(words[1], scale, elem))
                     st_global_v4(dst + 2 * index, out[0], out[1], out[2], out[3])

@@ -63,6 +63,13 @@ def problem_config(spec: StaticSpec, schedule: str, unit_tile_m: int = 0, unit_t
     )
 
 
+def cluster_problem_config(spec: StaticSpec, schedule: str):
+    """problem_config with a unit of one cluster's tile (the SM90 kernels: a 1x2 or 2x1 CTA
+    pair shares one operand)."""
+    (m, n), (cm, cn) = spec.mma_tiler_mn, spec.cluster_shape_mn
+    return problem_config(spec, schedule, m * cm, n * cn)
+
+
 def launches_problem(backend: Backend, spec: StaticSpec) -> Optional[Tuple[str, str]]:
     """("launches", detail) when ``spec.launches`` is neither 2 nor a single launch the
     backend can run (0: a spec that skipped finalize_spec, which compiles as 2)."""

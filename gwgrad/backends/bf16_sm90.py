@@ -28,9 +28,7 @@ class Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         return Sm90GroupedWgrad.can_implement(self.config(spec))
 
     def config(self, spec: StaticSpec):
-        # A unit is the cluster's tile (a 1x2 or 2x1 CTA pair shares one operand).
-        (m, n), (cm, cn) = spec.mma_tiler_mn, spec.cluster_shape_mn
-        return _cutedsl.problem_config(spec, sm90_schedule(spec.mma_tiler_mn), m * cm, n * cn)
+        return _cutedsl.cluster_problem_config(spec, sm90_schedule(spec.mma_tiler_mn))
 
     def make_kernel(self, spec: StaticSpec):
         """The kernel object (the JAX custom call wraps it: kernels/ffi_entry.py)."""

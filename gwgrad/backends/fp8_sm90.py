@@ -58,10 +58,8 @@ class Fp8Sm90Backend(_cutedsl.CuteDslBackend):
     def config(self, spec: StaticSpec):
         from ..kernels.sm90_fp8 import FP8_TILE_K
 
-        # A unit is the cluster's tile, as in the BF16 kernel.
-        (m, n), (cm, cn) = spec.mma_tiler_mn, spec.cluster_shape_mn
         schedule = SM90_FP8_TILES[tuple(spec.mma_tiler_mn)]
-        return dataclasses.replace(_cutedsl.problem_config(spec, schedule, m * cm, n * cn),
+        return dataclasses.replace(_cutedsl.cluster_problem_config(spec, schedule),
                                    tile_k=FP8_TILE_K)
 
     def make_kernel(self, spec: StaticSpec):
@@ -98,8 +96,7 @@ class Mxfp8Bf16Sm90Backend(_cutedsl.CuteDslBackend):
         return Sm90DequantGroupedWgrad.can_implement(self.config(spec))
 
     def config(self, spec: StaticSpec):
-        (m, n), (cm, cn) = spec.mma_tiler_mn, spec.cluster_shape_mn
-        return _cutedsl.problem_config(spec, sm90_schedule(spec.mma_tiler_mn), m * cm, n * cn)
+        return _cutedsl.cluster_problem_config(spec, sm90_schedule(spec.mma_tiler_mn))
 
     def workspace_bytes(self, spec: StaticSpec) -> int:
         from ..kernels.sm90_mxfp8_bf16 import workspace_base

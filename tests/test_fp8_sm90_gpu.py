@@ -282,13 +282,13 @@ def test_mxfp8_cudnn_shaped_scales(seed):
     run_case(seed, "blocked", [256, 128, 0, 384])
 
 
-def test_mxfp8_special_scale_codes(seed):
-    """The promoting kernel (a caller-owned workspace of the contract's size keeps it; gwgrad's
-    own workspace runs the two-pass path, tests/test_mxfp8_bf16_sm90_gpu.py): E8M0 0x00 is
-    2^-127 (an FP32 denormal, not 0) and 0xFF is NaN: expert 0's first scale column of A is
-    0x00 against 0xFE (2^127) in B, so those 32 tokens count with weight exactly 1; row 5 of
-    expert 1's A scales holds 0xFF in its second column, so that output row is NaN and every
-    other row is not."""
+def special_scale_codes_call(seed, workspace):
+    """MXFP8 scales holding E8M0's special codes, through the wrapper: expert 0's first scale
+    column of A is 0x00 (2^-127) against 0xFE (2^127) in B; row 5 of expert 1's A scales holds
+    0xFF (NaN) in its second column. `workspace`: a caller-owned one of the contract's size
+    (the promoting kernel), else gwgrad's own (the two-pass path). Returns (counts, a, b, the
+    experts' operand parts, A's and B's raw codes per expert, the output); the memory around
+    the output is checked."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rng = np.random.default_rng(seed)
     counts, hidden, inter = [96, 64, 128], 128, 128
@@ -304,13 +304,26 @@ def test_mxfp8_special_scale_codes(seed):
     offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device="cuda")
     buf, out = guarded((3, hidden, inter), torch.float32,
                        torch.full((3, hidden, inter), float("nan"), device="cuda"))
-    ws = torch.empty(gwgrad.get_grouped_gemm_wgrad_workspace_size_sm100(len(counts)),
-                     dtype=torch.uint8, device="cuda")
+    ws = None
+    if workspace:
+        ws = torch.empty(gwgrad.get_grouped_gemm_wgrad_workspace_size_sm100(len(counts)),
+                         dtype=torch.uint8, device="cuda")
     gwgrad.grouped_gemm_wgrad(a, b, sfa, sfb, offs, wgrad_tensor=out, sf_vec_size=32,
                               descriptor_workspace=ws)
     torch.cuda.synchronize()
     gwgrad.check_errors()
     assert guards_intact(buf), "memory around the output was written"
+    return counts, a, b, (a_parts, b_parts), (raws_a, raws_b), out
+
+
+def test_mxfp8_special_scale_codes(seed):
+    """The promoting kernel (a caller-owned workspace of the contract's size keeps it; gwgrad's
+    own workspace runs the two-pass path, tests/test_mxfp8_bf16_sm90_gpu.py): E8M0 0x00 is
+    2^-127 (an FP32 denormal, not 0) and 0xFF is NaN (special_scale_codes_call), so expert 0's
+    first 32 tokens count with weight exactly 1, and expert 1's output row 5 is NaN and every
+    other row is not."""
+    counts, _, _, (a_parts, b_parts), (raws_a, raws_b), out = special_scale_codes_call(
+        seed, workspace=True)
     for x, c in enumerate(counts):
         k = np.arange(c) // 32
         va = np.ldexp(1.0, raws_a[x].astype(np.int64) - 127)[:, k]

@@ -8,7 +8,6 @@ tiling, CTA pair and E5M2, and the special scale codes against gwgrad.formats.mx
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest
@@ -16,11 +15,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import gwgrad  # noqa: E402
-from gwgrad import formats, scales as S  # noqa: E402
+from gwgrad import formats  # noqa: E402
 
 import test_fp8_sm90_gpu as fp8_gpu  # noqa: E402  (its tests are called, not collected here)
-from test_fp8_sm90_gpu import (COUNTS, MODES, blocked_scales, guarded, guards_intact,  # noqa: E402
-                               operands, run_case)
+from test_fp8_sm90_gpu import COUNTS, MODES, run_case  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -97,25 +95,8 @@ def test_special_scale_codes(seed):
     values become BF16 denormals (rounded below 2^-133), B's of magnitude >= 2 overflow to
     +-Inf (so those outputs are +-Inf or NaN); 0xFF in row 5 of expert 1's A scales makes that
     output row NaN. The reference: float64 products of gwgrad.formats.mx_to_bf16's operands."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    rng = np.random.default_rng(seed)
-    counts, hidden, inter = [96, 64, 128], 128, 128
-    a, b, _, _ = operands(hidden, inter, counts, "e4m3", "e4m3", "tensor2d", gen)
-    raws_a = [rng.integers(122, 131, size=(hidden, -(-c // 32)), dtype=np.uint8) for c in counts]
-    raws_b = [rng.integers(122, 131, size=(inter, -(-c // 32)), dtype=np.uint8) for c in counts]
-    raws_a[0][:, 0] = 0x00
-    raws_b[0][:, 0] = 0xFE
-    raws_a[1][5, 1] = 0xFF
-    capacity = S.columns_needed(counts, (32, 4))
-    sfa = blocked_scales(raws_a, hidden, capacity)
-    sfb = blocked_scales(raws_b, inter, capacity)
-    offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device="cuda")
-    buf, out = guarded((3, hidden, inter), torch.float32,
-                       torch.full((3, hidden, inter), float("nan"), device="cuda"))
-    gwgrad.grouped_gemm_wgrad(a, b, sfa, sfb, offs, wgrad_tensor=out, sf_vec_size=32)
-    torch.cuda.synchronize()
-    gwgrad.check_errors()
-    assert guards_intact(buf), "memory around the output was written"
+    counts, a, b, _, (raws_a, raws_b), out = fp8_gpu.special_scale_codes_call(
+        seed, workspace=False)
     codes_a = a.view(torch.uint8).cpu().numpy()
     codes_b = b.t().contiguous().view(torch.uint8).cpu().numpy()
     start = 0

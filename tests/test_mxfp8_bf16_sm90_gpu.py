@@ -8,7 +8,6 @@ tiling, CTA pair and E5M2, and the special scale codes against gwgrad.formats.mx
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 

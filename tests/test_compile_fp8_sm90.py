@@ -48,7 +48,16 @@ def test_recipe_compiles_with_fp8_wgmma(recipe, case):
 def test_fp8_tiles_compile(recipe, tile):
     ptx = compile_ptx(fp8_spec("sm_90a", recipe, tile=tile, cluster=(1, 1)))
     _, gemm = kernel_bodies(ptx)
-    assert f"m64n{tile[1]}k32.f32.e4m3.e4m3" in gemm
+    # Channel and 1x128 scales: each K block's WGMMAs run over the tile's two column halves
+    # (one promoted while the other runs); MXFP8 promotes whole-tile instructions.
+    n = tile[1] if recipe == "blocked" else tile[1] // 2
+    assert re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32", gemm) == [str(n)] * (
+        4 if recipe == "blocked" else 8)
+    if recipe != "blocked":
+        # Two commit groups per K block, each waited for with one group still in flight
+        # (plus the unit's last wait for none).
+        assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", gemm)) == 2
+        assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0;", gemm)) == 1
     if recipe == "blocked" and tile[1] == 192:  # B scale atoms straddling 128-row blocks
         assert tma_loads(gemm) == 5
 

@@ -272,7 +272,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         )
         self.tma_bytes = self.stage_bytes(cfg)  # one stage's TMA transaction (scales included)
 
-    def make_tiled_mma(self, groups=None):
+    def make_tiled_mma(self, groups=None, n=None):
         """The WGMMA tiling: one warp group per 64 rows (two side by side, cooperative).
         ``groups=1``: one warp group's tiling whatever the schedule (the staggered
         cooperative epilogue partitions a group's 64 rows with it: a cooperative thread's
@@ -285,7 +285,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
             self.b_layout.sm90_mma_major_mode(),
             self.acc_dtype,
             (groups, 1, 1),
-            tiler_mn=(64, self.cta_n),
+            tiler_mn=(64, n or self.cta_n),
         )
 
     def launch(self, a_ptr, b_ptr, offsets_ptr, c_ptr, workspace_ptr, status_ptr, tokens_sum,
@@ -766,6 +766,9 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         tCsB = thr_mma.partition_B(sB)
         tCrA = tiled_mma.make_fragment_A(tCsA)
         tCrB = tiled_mma.make_fragment_B(tCsB)
+        split = None
+        if cutlass.const_expr(scales is not None):
+            split = self.split_operands(sA, sB, mma_tidx)
         acc_shape = thr_mma.partition_shape_C(tile_mn)
         acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
         subtile_store, tRS_rAcc, tRS_rSub = self.epilogue_setup(
@@ -812,7 +815,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
                 mma_order_self.arrive_and_wait()
             ab_read, ab_release = self.unit_mainloop(
                 tiled_mma, thr_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release, k_tiles,
-                smem_scales, tile_m, tile_n, mma_order_peer, scales,
+                smem_scales, expert, tile_m, tile_n, mma_order_peer, scales, split,
             )
             if cutlass.const_expr(scales is not None):
                 self.scale_output(acc, thr_mma, scales, ws, expert, tile_m, tile_n, k_tiles)
@@ -954,7 +957,8 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
 
     @cute.jit
     def unit_mainloop(self, tiled_mma, thr_mma, acc, tCrA, tCrB, ab_pipeline, ab_read,
-                      ab_release, k_tiles, smem_scales, tile_m, tile_n, mma_order_peer, scales):
+                      ab_release, k_tiles, smem_scales, expert, tile_m, tile_n, mma_order_peer,
+                      scales, split):
         """The unit's accumulator (BF16: mainloop; FP8: the scaled kernel's scaled_mainloop);
         pingpong: the tensor cores passed to the peer group once the last batch is issued."""
         if cutlass.const_expr(scales is None):
@@ -970,7 +974,7 @@ class Sm90GroupedWgrad(GroupedWgradKernel):
         else:
             ab_read, ab_release = self.scaled_mainloop(
                 tiled_mma, thr_mma, acc, tCrA, tCrB, ab_pipeline, ab_read, ab_release,
-                k_tiles, smem_scales, tile_m, tile_n,
+                k_tiles, smem_scales, expert, tile_m, tile_n, scales, split,
             )
             if cutlass.const_expr(self.pingpong):
                 mma_order_peer.arrive()

@@ -21,10 +21,16 @@ include them):
 Consumers (2xAcc): each 128-token K block is accumulated by WGMMA into a temporary FP32
 accumulator, then promoted into the main one on CUDA cores:
   per_expert_channel: acc += tmp (one FADD per element and K block); the channel scales
-                      sfa[e, m] * sfb[e, n] multiply the result once, before the epilogue;
+                      sfa[e, m] * sfb[e, n] (read from global memory while the unit's last
+                      batch runs) multiply the result once, before the epilogue;
   block_1x128:        acc += tmp * (sfa[m] * sfb[n]) per K block;
   blocked (MXFP8):    every 32-token K=32 instruction is promoted with its own E8M0 scales
                       (decoded 2^(e-127); 0x00 = 2^-127, 0xFF = NaN).
+Channel and 1x128: a K block's WGMMAs run as two commit groups over the tile's column halves
+(m64 x n/2 instructions), each into its half of the temporary; a group waits for one half
+while the other is in flight and promotes it, so its own next batch overlaps its promotion
+(wait_group(1) twice per K block); a stage is released once both its halves are promoted.
+MXFP8 waits for each instruction (wait_group(0)); the other group's WGMMAs fill the gap.
 Global scales (per expert) multiply the accumulator before the epilogue. An empty expert
 stores zeros (nothing when accumulating), whatever its scales hold.
 
@@ -326,25 +332,54 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
                           tma_bar_ptr=bar)
 
     # -- consumers -----------------------------------------------------------------------
+    def split_operands(self, sA, sB, mma_tidx):
+        """The channel and 1x128 recipes' WGMMA over half the tile's columns: (its tiled MMA,
+        A fragment, B fragment (..., half, k-block, stage)); None for MXFP8."""
+        if cutlass.const_expr(self.recipe == BLOCKED):
+            return None
+        half_n = self.cta_n // 2
+        half_mma = self.make_tiled_mma(n=half_n)
+        thr = half_mma.get_slice(mma_tidx)
+        halves_b = cute.flat_divide(sB, (half_n, self.cfg.tile_k))
+        return (half_mma, half_mma.make_fragment_A(thr.partition_A(sA)),
+                [half_mma.make_fragment_B(thr.partition_B(halves_b[(None, None, h, 0, None)]))
+                 for h in range(2)])
+
+    @cute.jit
+    def promote(self, acc, tmp, coords, smem_scales, stage, half: cutlass.Constexpr):
+        """acc += tmp (times the stage's 1x128 scale products) over the accumulator values of
+        column half `half` (values 0 .. n/2-1 of a thread hold the first half: a WGMMA
+        fragment's values run over the columns last)."""
+        count = cute.size(acc) // 2
+        for j in cutlass.range_constexpr(count):
+            i = half * count + j
+            if cutlass.const_expr(self.recipe == BLOCK_1X128):
+                sSFA, sSFB = smem_scales
+                m, n = coords[i]
+                acc[i] = acc[i] + tmp[i] * (sSFA[(m, 0, stage)] * sSFB[(n, 0, stage)])
+            else:
+                acc[i] = acc[i] + tmp[i]
+
     @cute.jit
     def scaled_mainloop(self, tiled_mma, thr_mma, acc, tCrA, tCrB, ab_pipeline, ab_read,
-                        ab_release, k_tiles, smem_scales, tile_m, tile_n):
+                        ab_release, k_tiles, smem_scales, expert, tile_m, tile_n, scales, split):
         """acc = the unit's sum, promoted from a temporary WGMMA accumulator (module doc).
 
-        Each warp group waits for its own WGMMAs before promoting; the other group's WGMMAs
-        keep the tensor cores busy meanwhile. This serial form is the fastest: two
-        temporaries alternating leave no registers for 128x192 and run slower at 128x128;
-        scale products computed before the wait spill (1x128 at 128x192) or run slower
-        (MXFP8) (docs/PERFORMANCE.md)."""
+        Channel and 1x128 scales: each K block's WGMMAs run as two batches over the halves of
+        the tile's columns, each into its half of the temporary; a half is promoted while the
+        other half's batch runs (one batch always in flight), and a stage is released once
+        both its halves are promoted. MXFP8: every 32-token instruction is promoted with its
+        own scales, after waiting for it (the other warp group's WGMMAs keep the tensor cores
+        busy meanwhile)."""
         cfg = self.cfg
         num_k_blocks = cute.size(tCrA, mode=[2])
         tmp = cute.make_rmem_tensor(acc.layout, self.acc_dtype)
         coords = thr_mma.partition_C(cute.make_identity_tensor((self.cta_m, self.cta_n)))
         acc.fill(0.0)
-        for kt in cutlass.range(k_tiles, unroll=1):
-            ab_pipeline.consumer_wait(ab_read)
-            stage = ab_read.index
-            if cutlass.const_expr(self.recipe == BLOCKED):
+        if cutlass.const_expr(self.recipe == BLOCKED):
+            for kt in cutlass.range(k_tiles, unroll=1):
+                ab_pipeline.consumer_wait(ab_read)
+                stage = ab_read.index
                 sSFA, sSFB = smem_scales
                 atoms_a = sf_atoms(self.cta_m)
                 atoms_b = sf_atoms(self.cta_n)
@@ -373,49 +408,85 @@ class Sm90ScaledGroupedWgrad(ScaledEntryPoints, Sm90GroupedWgrad):
                         word_a, word_b = words[i]
                         scale = e8m0_byte_value(word_a, kb) * e8m0_byte_value(word_b, kb)
                         acc[i] = acc[i] + tmp[i] * scale
-            else:
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(num_k_blocks):
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                    cute.gemm(tiled_mma, tmp, tCrA[(None, None, kb, stage)],
-                              tCrB[(None, None, kb, stage)], tmp)
-                warpgroup.commit_group()
+                # The stage's operands and scales are consumed: hand it back.
+                ab_pipeline.consumer_release(ab_read)
+                ab_read.advance()
+                ab_release.advance()
+        else:
+            half_mma, hA, hB = split
+            # The temporary's halves as the half-width MMA's fragments.
+            half_shape = half_mma.get_slice(0).partition_shape_C((self.cta_m, self.cta_n // 2))
+            count = cute.size(acc) // 2
+            halves = [cute.make_tensor(tmp.iterator + h * count, cute.make_layout(half_shape))
+                      for h in range(2)]
+            prev = Int32(0)
+            for kt in cutlass.range(k_tiles, unroll=1):
+                ab_pipeline.consumer_wait(ab_read)
+                stage = ab_read.index
+                for half in cutlass.range_constexpr(2):
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(num_k_blocks):
+                        half_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                        cute.gemm(half_mma, halves[half], hA[(None, None, kb, stage)],
+                                  hB[half][(None, None, kb, stage)], halves[half])
+                    warpgroup.commit_group()
+                    if cutlass.const_expr(half == 0):
+                        # The previous stage's second half (its batch issued before this one).
+                        if kt > 0:
+                            warpgroup.wait_group(1)
+                            self.promote(acc, tmp, coords, smem_scales, prev, 1)
+                            ab_pipeline.consumer_release(ab_release)
+                            ab_release.advance()
+                    else:
+                        warpgroup.wait_group(1)
+                        self.promote(acc, tmp, coords, smem_scales, stage, 0)
+                prev = stage
+                ab_read.advance()
+            if k_tiles > 0:
+                factors = None
+                if cutlass.const_expr(self.recipe == PER_EXPERT_CHANNEL):
+                    # The channel scales are read while the last batch runs.
+                    factors = self.channel_factors(coords, scales, expert, tile_m, tile_n)
                 warpgroup.wait_group(0)
-                if cutlass.const_expr(self.recipe == BLOCK_1X128):
-                    sSFA, sSFB = smem_scales
+                self.promote(acc, tmp, coords, smem_scales, prev, 1)
+                ab_pipeline.consumer_release(ab_release)
+                ab_release.advance()
+                if cutlass.const_expr(self.recipe == PER_EXPERT_CHANNEL):
+                    rows, cols, alpha = factors
                     for i in cutlass.range_constexpr(cute.size(acc)):
-                        m, n = coords[i]
-                        acc[i] = acc[i] + tmp[i] * (sSFA[(m, 0, stage)] * sSFB[(n, 0, stage)])
-                else:
-                    for i in cutlass.range_constexpr(cute.size(acc)):
-                        acc[i] = acc[i] + tmp[i]
-            # The stage's operands and scales are consumed: hand it back.
-            ab_pipeline.consumer_release(ab_read)
-            ab_read.advance()
-            ab_release.advance()
+                        acc[i] = acc[i] * (rows[i] * cols[i] * alpha)
         return ab_read, ab_release
 
     @cute.jit
-    def scale_output(self, acc, thr_mma, scales, ws, expert, tile_m, tile_n, k_tiles):
-        """Channel scales and global scales, once per unit (an empty expert keeps zeros)."""
+    def global_scale(self, scales, expert):
+        alpha = Float32(1.0)
+        if cutlass.const_expr(self.cfg.has_global_scale):
+            gsa, gsb = scales[6], scales[7]
+            alpha = gsa[expert] * gsb[expert]
+        return alpha
+
+    @cute.jit
+    def channel_factors(self, coords, scales, expert, tile_m, tile_n):
+        """Each accumulator value's row and column channel scales, and the global scale."""
         cfg = self.cfg
-        if k_tiles > 0:
-            alpha = Float32(1.0)
-            if cutlass.const_expr(cfg.has_global_scale):
-                gsa, gsb = scales[6], scales[7]
-                alpha = gsa[expert] * gsb[expert]
-            if cutlass.const_expr(self.recipe == PER_EXPERT_CHANNEL):
-                sfa, sfb = scales[4], scales[5]
-                coords = thr_mma.partition_C(cute.make_identity_tensor((self.cta_m, self.cta_n)))
-                m0 = expert * cfg.hidden
-                n0 = expert * cfg.intermediate
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    m, n = coords[i]
-                    # Rows / columns past the output's edge are clipped by the store: read
-                    # the last channel's scale for them, never past the expert's row.
-                    gm = cutlass.min(tile_m * self.cta_m + m, cfg.hidden - 1)
-                    gn = cutlass.min(tile_n * self.cta_n + n, cfg.intermediate - 1)
-                    acc[i] = acc[i] * (sfa[m0 + gm] * sfb[n0 + gn] * alpha)
-            elif cutlass.const_expr(cfg.has_global_scale):
+        sfa, sfb = scales[4], scales[5]
+        m0 = expert * cfg.hidden
+        n0 = expert * cfg.intermediate
+        rows, cols = [], []
+        for i in cutlass.range_constexpr(cute.size(coords)):
+            m, n = coords[i]
+            # Rows / columns past the output's edge are clipped by the store: read the last
+            # channel's scale for them, never past the expert's row.
+            rows.append(sfa[m0 + cutlass.min(tile_m * self.cta_m + m, cfg.hidden - 1)])
+            cols.append(sfb[n0 + cutlass.min(tile_n * self.cta_n + n, cfg.intermediate - 1)])
+        return rows, cols, self.global_scale(scales, expert)
+
+    @cute.jit
+    def scale_output(self, acc, thr_mma, scales, ws, expert, tile_m, tile_n, k_tiles):
+        """Global scales, once per unit, for the 1x128 and MXFP8 recipes (the channel recipe's
+        mainloop applies its scales and the global ones); an empty expert keeps zeros."""
+        if cutlass.const_expr(self.cfg.has_global_scale and self.recipe != PER_EXPERT_CHANNEL):
+            if k_tiles > 0:
+                alpha = self.global_scale(scales, expert)
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     acc[i] = acc[i] * alpha

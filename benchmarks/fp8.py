@@ -8,7 +8,10 @@ round-robin per row (CUDA events, warm-up, medians; benchmarks.wgrad.time_method
 * ``fp8_1x128``: one FP32 scale per channel per 128 tokens of an expert (DeepSeek-V3);
 * ``mxfp8``: the contract's MXFP8 (E8M0 per 32 tokens, blocked layout);
 * ``torch_scaled_grouped_mm``: torch._scaled_grouped_mm 2D-2D on the channel-scaled inputs;
-* ``dense_fp8``: one torch._scaled_mm (rowwise FP32 scales) of equal FLOPs: the FP8 ceiling.
+* ``dense_fp8``: one torch._scaled_mm (rowwise FP32 scales) of equal FLOPs: the FP8 ceiling;
+* ``scaled_mm_loop``: a torch._scaled_mm per expert (its rows of the channel scales) into its
+  output, an empty expert zeroed: the dense kernel at each expert's own shape, the ceiling
+  with the grouped problem's per-expert K (each output tile sums one expert's tokens).
 
 gwgrad's FP8 operands are K-major (x.T and dy.T quantized token-contiguous, as Hopper's FP8
 WGMMA needs). Each gwgrad method runs through its launch plan (plan_for + launch, preallocated
@@ -151,6 +154,31 @@ class Fp8Row:
         a, b = self.a, self.b
         return lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
 
+    def scaled_mm_loop(self):
+        import torch
+
+        sa, sb = self.scales["channel"]
+        out = self.ref
+        calls, empty = [], []
+        start = 0
+        for e, c in enumerate(self.counts):
+            if c:
+                calls.append((self.a[:, start:start + c], self.bt[:, start:start + c].t(),
+                              sa[e].reshape(-1, 1).contiguous(),
+                              sb[e].reshape(1, -1).contiguous(), out[e]))
+            else:
+                empty.append(out[e])
+            start += c
+
+        def loop():
+            for a, b, s_a, s_b, o in calls:
+                torch._scaled_mm(a, b, s_a, s_b, out_dtype=torch.bfloat16, out=o)
+            for o in empty:
+                o.zero_()
+            return out
+
+        return loop
+
 
 def variant_name(recipe: str, tile: tuple) -> str:
     """The method name of a --tiles variant (a parse_tile result): fp8_<recipe>_MxN[:f=v]."""
@@ -201,7 +229,9 @@ def run_row(shape: Dict, dist: str, rounds: int, sample_ms: float, tiles: List,
     if not fp8_only:
         add("torch_scaled_grouped_mm", inp.torch_scaled_grouped)
         add("dense_fp8", inp.dense_fp8)
-    # Correctness: the channel recipe against torch._scaled_grouped_mm (same semantics).
+        add("scaled_mm_loop", inp.scaled_mm_loop)
+    # Correctness: the channel recipe against torch._scaled_grouped_mm (same semantics), and
+    # the per-expert loop against it (a competitor is timed only on the same answer).
     if "fp8_channel" in fns and "torch_scaled_grouped_mm" in fns:
         try:
             inp.out.fill_(float("nan"))
@@ -210,6 +240,12 @@ def run_row(shape: Dict, dist: str, rounds: int, sample_ms: float, tiles: List,
             torch.cuda.synchronize()
             inp.gwgrad.check_errors()
             row["rel_err_channel_vs_torch"] = _rel_err(inp.out, want)
+            if "scaled_mm_loop" in fns:
+                inp.ref.fill_(float("nan"))
+                err = row["rel_err_loop_vs_torch"] = _rel_err(fns["scaled_mm_loop"](), want)
+                if not err < 1e-2:  # NaN included
+                    fns.pop("scaled_mm_loop")
+                    meth["scaled_mm_loop"] = {"error": f"relative error {err:.3g} vs torch"}
         except Exception as exc:  # noqa: BLE001
             row["check_error"] = _error(exc)
     times = time_methods(fns, meth, rounds=rounds, sample_ms=sample_ms)
@@ -222,7 +258,7 @@ def run_row(shape: Dict, dist: str, rounds: int, sample_ms: float, tiles: List,
         if best is None:
             continue
         row[f"{recipe}_best"] = {"method": best[1], "tflops": best[0]}
-        for comp in ("gwgrad_bf16", "torch_scaled_grouped_mm", "dense_fp8"):
+        for comp in ("gwgrad_bf16", "torch_scaled_grouped_mm", "dense_fp8", "scaled_mm_loop"):
             if comp in t:
                 row.setdefault("ratios", {})[f"{recipe}_vs_{comp}"] = best[0] / t[comp]
     del inp
@@ -232,7 +268,8 @@ def run_row(shape: Dict, dist: str, rounds: int, sample_ms: float, tiles: List,
 
 def table(rows: List[Dict]) -> str:
     head = (f"{'row':<22}{'bf16':>7}{'chan':>7}{'1x128':>7}{'mx':>7}{'torchSG':>8}{'denseF8':>8}"
-            f"{'ch/tSG':>7}{'ch/dF8':>7}{'ch/bf16':>8}{'1x/bf16':>8}{'mx/bf16':>8}")
+            f"{'loopF8':>8}{'ch/tSG':>7}{'ch/dF8':>7}{'ch/loop':>8}{'ch/bf16':>8}{'1x/bf16':>8}"
+            f"{'mx/bf16':>8}")
     lines = [head]
     for r in rows:
         if "error" in r:
@@ -255,7 +292,9 @@ def table(rows: List[Dict]) -> str:
             f"{r['name'] + ' ' + r['dist']:<22}{tf('gwgrad_bf16')}"
             + "".join(f"{v:7.0f}" if v else f"{'-':>7}" for v in best.values())
             + f"{tf('torch_scaled_grouped_mm'):>8}{tf('dense_fp8'):>8}"
+            + f"{tf('scaled_mm_loop'):>8}"
             + ra("channel_vs_torch_scaled_grouped_mm") + ra("channel_vs_dense_fp8")
+            + ra("channel_vs_scaled_mm_loop", 8)
             + ra("channel_vs_gwgrad_bf16", 8) + ra("1x128_vs_gwgrad_bf16", 8)
             + ra("mx_vs_gwgrad_bf16", 8))
     return "\n".join(lines)
@@ -264,9 +303,10 @@ def table(rows: List[Dict]) -> str:
 def markdown(rows: List[Dict]) -> str:
     """The README's table of the rows (TFLOP/s, each recipe at its best tile; ratios)."""
     lines = ["| shape | tokens | gwgrad BF16 | FP8 channel (tile) | FP8 1x128 (tile) | MXFP8 | "
-             "`torch._scaled_grouped_mm` | dense FP8 `_scaled_mm` | channel / torch | "
-             "channel / dense FP8 | channel / BF16 | 1x128 / BF16 | MXFP8 / BF16 |",
-             "|" + "---|" * 13]
+             "`torch._scaled_grouped_mm` | dense FP8 `_scaled_mm` | per-expert `_scaled_mm` | "
+             "channel / torch | channel / dense FP8 | channel / per-expert | channel / BF16 | "
+             "1x128 / BF16 | MXFP8 / BF16 |",
+             "|" + "---|" * 15]
     for r in rows:
         if "error" in r or not r.get("ratios"):
             continue
@@ -288,8 +328,9 @@ def markdown(rows: List[Dict]) -> str:
         lines.append(
             f"| {r['name']} | {r['dist']} | {tf('gwgrad_bf16')} | {best('channel')} | "
             f"{best('1x128')} | {best('mx')} | {tf('torch_scaled_grouped_mm')} | "
-            f"{tf('dense_fp8')} | {ratio('channel_vs_torch_scaled_grouped_mm')} | "
-            f"{ratio('channel_vs_dense_fp8')} | {ratio('channel_vs_gwgrad_bf16')} | "
+            f"{tf('dense_fp8')} | {tf('scaled_mm_loop')} | "
+            f"{ratio('channel_vs_torch_scaled_grouped_mm')} | {ratio('channel_vs_dense_fp8')} | "
+            f"{ratio('channel_vs_scaled_mm_loop')} | {ratio('channel_vs_gwgrad_bf16')} | "
             f"{ratio('1x128_vs_gwgrad_bf16')} | {ratio('mx_vs_gwgrad_bf16')} |")
     return "\n".join(lines)
 

@@ -14,14 +14,14 @@ def _row(name="dsv3-fc1", **tflops):
         cands = {k: v for k, v in t.items() if k.startswith(f"fp8_{recipe}")}
         best = max(cands, key=cands.get)
         row[f"{recipe}_best"] = {"method": best, "tflops": cands[best]}
-        for comp in ("gwgrad_bf16", "torch_scaled_grouped_mm", "dense_fp8"):
+        for comp in ("gwgrad_bf16", "torch_scaled_grouped_mm", "dense_fp8", "scaled_mm_loop"):
             row.setdefault("ratios", {})[f"{recipe}_vs_{comp}"] = cands[best] / t[comp]
     return row
 
 
 def test_tables_show_each_recipe_at_its_best_tile():
     row = _row(gwgrad_bf16=700, fp8_channel=1200, fp8_1x128=840, fp8_mx=150, fp8_mx_64x128=180,
-               torch_scaled_grouped_mm=960, dense_fp8=1400)
+               torch_scaled_grouped_mm=960, dense_fp8=1400, scaled_mm_loop=1000)
     text = fp8.table([row])
     assert "1200" in text and "1.25" in text  # channel / torch
     md = fp8.markdown([row, {"name": "x", "dist": "zipf", "error": "skipped"}])
@@ -29,7 +29,36 @@ def test_tables_show_each_recipe_at_its_best_tile():
     assert len(lines) == 3  # header, rule, one row (the error row is left out)
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
     assert cells[3] == "1200 (128x192)" and cells[5] == "180 (64x128)"
-    assert cells[8] == "1.25" and cells[10] == "1.71" and cells[12] == "0.26"
+    assert cells[7] == "1400" and cells[8] == "1000"  # dense, per-expert _scaled_mm
+    assert cells[9] == "1.25" and cells[11] == "1.20" and cells[12] == "1.71"
+    assert cells[14] == "0.26"
+
+
+def test_scaled_mm_loop_is_each_experts_scaled_product():
+    """The per-expert `_scaled_mm` competitor computes the channel recipe's answer: expert e's
+    tokens of x.T and dy.T, its rows of the scales; an empty expert's output zeroed (torch's
+    CPU `_scaled_mm`, against an FP64 reference)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    m, n, counts = 16, 24, [32, 0, 16]
+    t, e = sum(counts), len(counts)
+    row = fp8.Fp8Row.__new__(fp8.Fp8Row)
+    row.counts = counts
+    row.a = torch.randn(m, t, generator=gen).to(torch.float8_e4m3fn)
+    row.bt = torch.randn(n, t, generator=gen).to(torch.float8_e4m3fn)
+    row.scales = {"channel": (torch.rand(e, m, generator=gen) + 0.5,
+                              torch.rand(e, n, generator=gen) + 0.5)}
+    row.ref = torch.full((e, m, n), float("nan"), dtype=torch.bfloat16)
+    got = row.scaled_mm_loop()().double()
+    sa, sb = (s.double() for s in row.scales["channel"])
+    start = 0
+    for i, c in enumerate(counts):
+        a, b = row.a[:, start:start + c].double(), row.bt[:, start:start + c].double()
+        want = (a @ b.t()) * sa[i][:, None] * sb[i][None, :]
+        err = (got[i] - want).norm() / want.norm().clamp_min(1e-30)
+        assert (got[i] == 0).all() if c == 0 else err < 1e-2, (i, err)
+        start += c
 
 
 def test_tiles_take_tuning_fields(monkeypatch, tmp_path):

@@ -114,3 +114,44 @@ def test_a_variant_naming_a_mainloop_runs_for_mxfp8_only():
         assert not fp8.variant_applies("1x128", tile)
     plain = parse_tile("128x192:cluster=2x1:epi_buffer_sets=2")
     assert all(fp8.variant_applies(r, plain) for r in fp8.RECIPES)
+
+
+def test_per_expert_loop_is_timed_only_on_torchs_answer(monkeypatch):
+    """run_row checks the per-expert `_scaled_mm` loop against torch._scaled_grouped_mm before
+    timing it: a loop with a wrong answer (or none) is left out, with the reason in the row."""
+    import torch
+
+    want = torch.ones(2, 4, 4)
+
+    class Row:
+        def __init__(self, shape, dist, seed=0):
+            self.counts, self.flops = [256, 256], 1e9
+            self.ref = torch.empty(2, 4, 4)
+
+        def runner(self, recipe):
+            return lambda: None
+
+        def bf16(self):
+            return lambda: None
+
+        def torch_scaled_grouped(self):
+            return lambda: want
+
+        def dense_fp8(self):
+            return lambda: None
+
+        def scaled_mm_loop(self):
+            def loop():
+                self.ref.copy_(want * factor)
+                return self.ref
+            return loop
+
+    monkeypatch.setattr(fp8, "Fp8Row", Row)
+    monkeypatch.setattr(fp8, "time_methods", lambda fns, meth, **kw: {k: 1.0 for k in fns})
+    shape = {"name": "s", "hidden": 4, "intermediate": 4, "num_experts": 2, "tokens_sum": 512}
+    for factor, timed in ((1.0, True), (1.5, False), (float("nan"), False)):
+        row = fp8.run_row(shape, "uniform", 1, 1.0, [], ("1x128",))
+        assert ("ms" in row["methods"]["scaled_mm_loop"]) == timed, (factor, row)
+        assert "ratios" in row and ("1x128_vs_scaled_mm_loop" in row["ratios"]) == timed
+        if not timed:
+            assert "relative error" in row["methods"]["scaled_mm_loop"]["error"]
